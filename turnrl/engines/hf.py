@@ -1,0 +1,300 @@
+"""The embedded engine: a transformers model decoding the requests of all trajectories together.
+
+Requests from concurrent trajectories (every turn of every trajectory) go into one queue. A worker thread
+runs a decode loop over a left-padded batch with a KV cache and admits new requests between decode steps
+(continuous batching): a newcomer is prefilled on its own, its cache left-padded to the running batch's
+length and concatenated in; finished rows leave the batch at once and all-padding columns are trimmed.
+
+Sampling happens on the device, row by row parameters: temperature, top-p, top-k, and a per-request seed
+(inverse-CDF sampling from a per-request generator), so a request samples the same tokens whatever else is
+in the batch, up to float noise. Logprobs are log softmax(logits / temperature) of the sampled token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from turnrl.engines.base import Completion, EngineError, Sampling
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    generator: torch.Generator
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    aborted: bool = False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def sample_rows(logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. logits: [B, V] float32 -> (tokens [B], logprobs [B])."""
+    temps = torch.tensor([r.sampling.temperature for r in reqs], device=logits.device)
+    greedy = temps == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    logp = torch.log_softmax(scaled, dim=-1)
+    probs = logp.exp()
+    if any(r.sampling.top_k > 0 or r.sampling.top_p < 1.0 for r in reqs):
+        probs = _truncate(probs, reqs)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.tensor([float(torch.rand(1, generator=r.generator)) for r in reqs], device=logits.device)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp(max=logits.shape[1] - 1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _truncate(probs: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
+    """Zero the tail outside each row's top-k / top-p nucleus (keeps at least one token)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    ranks = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+    top_k = torch.tensor([r.sampling.top_k or probs.shape[1] for r in reqs], device=probs.device).unsqueeze(1)
+    keep &= ranks < top_k
+    top_p = torch.tensor([r.sampling.top_p for r in reqs], device=probs.device).unsqueeze(1)
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_p
+    keep[:, 0] = True
+    return torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
+
+
+class HFEngine:
+    """An in-process transformers engine; `generate` is safe to call from many coroutines at once."""
+
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
+                 gather_ms: float = 5.0, seed: int = 0, model: Any = None):
+        from transformers import AutoModelForCausalLM
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.max_batch_size = max_batch_size
+        self.gather_s = gather_ms / 1000
+        self.seed = seed
+        self.version = 0
+        self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
+                      "busy_s": 0.0}
+        self._pending: deque[_Request] = deque()
+        self._cv = threading.Condition()
+        self._weights_lock = threading.Lock()
+        self._closed = False
+        self._counter = 0
+        self._thread = threading.Thread(target=self._worker, name="turnrl-hf-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        if self._closed:
+            raise EngineError("engine is closed")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        loop = asyncio.get_running_loop()
+        gen = torch.Generator(device="cpu")
+        with self._cv:
+            self._counter += 1
+            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._counter
+        gen.manual_seed(seed)
+        req = _Request(list(prompt_ids), sampling, loop, loop.create_future(), gen)
+        with self._cv:
+            self._pending.append(req)
+            self._cv.notify()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.aborted = True
+            raise
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy new weights in place (between decode steps; the worker holds the same lock per step)."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        with self._weights_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise EngineError(f"update_weights: the engine model has no parameter '{name}'")
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        self.version = version
+
+    async def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join, 5.0)
+
+    # -- worker --------------------------------------------------------------------------------------
+    def _take(self, limit: int, block: bool) -> list[_Request]:
+        with self._cv:
+            if block:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+        if block and self.gather_s > 0:
+            time.sleep(self.gather_s)  # let concurrent trajectories join the same prefill
+        with self._cv:
+            out = []
+            while self._pending and len(out) < limit:
+                req = self._pending.popleft()
+                if not req.aborted:
+                    out.append(req)
+            return out
+
+    def _worker(self) -> None:
+        torch.set_grad_enabled(False)
+        batch: _Batch | None = None
+        while not self._closed:
+            try:
+                active = 0 if batch is None else len(batch.reqs)
+                fresh = self._take(self.max_batch_size - active, block=active == 0)
+                if self._closed:
+                    break
+                start = time.perf_counter()
+                with self._weights_lock:
+                    if fresh:
+                        new = self._prefill(fresh)
+                        batch = new if batch is None else batch.merge(new)
+                    if batch is not None:
+                        batch = self._finish_rows(batch)
+                    if batch is not None:
+                        batch = self._decode_step(batch)
+                        batch = self._finish_rows(batch)
+                self.stats["busy_s"] += time.perf_counter() - start
+            except Exception as exc:  # noqa: BLE001 - fail the requests, keep the engine alive
+                failed = ([] if batch is None else batch.reqs) + (fresh if "fresh" in locals() else [])
+                for req in failed:
+                    self._resolve(req, exc=EngineError(f"hf engine step failed: {type(exc).__name__}: {exc}"))
+                batch = None
+        for req in ([] if batch is None else batch.reqs) + list(self._pending):
+            self._resolve(req, exc=EngineError("engine closed"))
+
+    def _prefill(self, reqs: list[_Request]) -> "_Batch":
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt) for r in reqs)
+        ids = torch.zeros((len(reqs), width), dtype=torch.long)
+        attn = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            attn[i, width - len(r.prompt):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        self.stats["prefill_tokens"] += int(attn.sum())
+        self.stats["requests"] += len(reqs)
+        batch = _Batch(reqs, out.past_key_values, attn)
+        self._append_samples(batch, out.logits[:, -1, :].float())
+        return batch
+
+    def _decode_step(self, batch: "_Batch") -> "_Batch":
+        attn = torch.cat([batch.attn, torch.ones((len(batch.reqs), 1), dtype=torch.long, device=self.device)], 1)
+        pos = attn.sum(1, keepdim=True) - 1
+        out = self.model(input_ids=batch.last.unsqueeze(1), attention_mask=attn, position_ids=pos,
+                         past_key_values=batch.cache, use_cache=True)
+        batch.attn = attn
+        self.stats["decode_steps"] += 1
+        self._append_samples(batch, out.logits[:, -1, :].float())
+        return batch
+
+    def _append_samples(self, batch: "_Batch", logits: torch.Tensor) -> None:
+        tokens, logps = sample_rows(logits, batch.reqs)
+        batch.last = tokens
+        for req, tok, lp in zip(batch.reqs, tokens.tolist(), logps.tolist()):
+            req.out.append(tok)
+            req.logprobs.append(lp)
+        self.stats["generated_tokens"] += len(batch.reqs)
+
+    def _finish_rows(self, batch: "_Batch") -> "_Batch | None":
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            if req.aborted:
+                self._resolve(req, Completion(req.out, req.logprobs, "abort"))
+            elif req.out and req.out[-1] in req.sampling.stop_token_ids:
+                self._resolve(req, Completion(req.out, req.logprobs, "stop"))
+            elif len(req.out) >= req.sampling.max_tokens:
+                self._resolve(req, Completion(req.out, req.logprobs, "length"))
+            else:
+                keep.append(i)
+        if not keep:
+            return None
+        if len(keep) < len(batch.reqs):
+            batch.select(keep)
+        return batch
+
+    def _resolve(self, req: _Request, completion: Completion | None = None, exc: Exception | None = None) -> None:
+        def set_result() -> None:
+            if req.future.done():
+                return
+            if exc is not None:
+                req.future.set_exception(exc)
+            else:
+                req.future.set_result(completion)
+        try:
+            req.loop.call_soon_threadsafe(set_result)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+
+class _Batch:
+    """The running decode batch: requests, their KV cache [B, H, L, D] per layer, and the mask [B, L]."""
+
+    def __init__(self, reqs: list[_Request], cache: Any, attn: torch.Tensor):
+        self.reqs = reqs
+        self.cache = cache
+        self.attn = attn
+        self.last: torch.Tensor = torch.empty(0)
+
+    def select(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, device=self.attn.device)
+        self.reqs = [self.reqs[i] for i in keep]
+        self.attn = self.attn[index]
+        self.last = self.last[index]
+        self.cache.batch_select_indices(index)
+        live = self.attn.any(dim=0).nonzero()
+        first = int(live[0]) if len(live) else 0
+        if first > 0:  # drop columns that are padding in every remaining row
+            self.attn = self.attn[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, first:]
+                layer.values = layer.values[:, :, first:]
+
+    def merge(self, other: "_Batch") -> "_Batch":
+        width = max(self.attn.shape[1], other.attn.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], 0)
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], 0)
+        self.attn = torch.cat([_left_pad(self.attn, width), _left_pad(other.attn, width)], 0)
+        self.last = torch.cat([self.last, other.last])
+        self.reqs = self.reqs + other.reqs
+        return self
+
+
+def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the sequence axis (dim 2 of a [B, H, L, D] cache, dim 1 of a [B, L] mask) with zeros."""
+    dim = 2 if x.dim() == 4 else 1
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)

@@ -1,0 +1,121 @@
+"""Turn config names into tool and interaction factories.
+
+A name is a built-in (`calculator`), `package.module:Name`, `package.module.Name`, or `path/to/file.py:Name`.
+Only what a config names is imported. A factory builds a fresh instance per trajectory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from turnrl.config.loader import ConfigError, build
+from turnrl.config.schema import InteractionSpec, ToolSpec
+from turnrl.env.tools import FunctionTool, Tool
+
+BUILTIN_TOOLS = {
+    "calculator": "turnrl.env.builtin.calculator:Calculator",
+    "check_answer": "turnrl.env.builtin.checker:AnswerChecker",
+}
+BUILTIN_INTERACTIONS = {
+    "math_feedback": "turnrl.env.builtin.feedback:MathFeedback",
+    "guess_number": "turnrl.env.builtin.guess:GuessNumberUser",
+}
+
+
+def import_object(name: str) -> Any:
+    if ":" in name:
+        module_name, _, attr = name.rpartition(":")
+    elif "." in name:
+        module_name, _, attr = name.rpartition(".")
+    else:
+        raise ConfigError(f"'{name}' is not importable: write module:Name, module.Name or file.py:Name.")
+    if module_name.endswith(".py"):
+        path = Path(module_name).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"'{name}': file {path} does not exist.")
+        mod_key = f"turnrl_user_{abs(hash(str(path)))}"
+        module = sys.modules.get(mod_key)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_key, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_key] = module
+            spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"'{name}': cannot import module '{module_name}' ({exc}).") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"'{name}': module '{module_name}' has no attribute '{attr}'.")
+    return getattr(module, attr)
+
+
+def tool_factory(spec: ToolSpec) -> tuple[str, Callable[[], Tool]]:
+    """(tool name, factory) for one tool spec."""
+    target = import_object(BUILTIN_TOOLS.get(spec.class_name, spec.class_name))
+    if inspect.isclass(target):
+        from turnrl.compat.verl import is_verl_tool, verl_tool_factory
+        if is_verl_tool(target):
+            return verl_tool_factory(target, spec)
+
+        def make() -> Tool:
+            tool = target(**spec.config)
+            if spec.tool_schema is not None:
+                tool.schema = spec.tool_schema
+            return tool
+    elif callable(target):
+        if spec.config:
+            raise ConfigError(f"tool '{spec.class_name}' is a function: it takes no 'config'.")
+
+        def make() -> Tool:
+            tool = FunctionTool(target)
+            if spec.tool_schema is not None:
+                tool.schema = spec.tool_schema
+                tool.name = spec.tool_schema.get("function", spec.tool_schema)["name"]
+            return tool
+    else:
+        raise ConfigError(f"tool '{spec.class_name}' is neither a class nor a function.")
+    probe = make()
+    for attr in ("name", "schema", "execute"):
+        if not hasattr(probe, attr):
+            raise ConfigError(f"tool '{spec.class_name}' has no '{attr}': a tool needs name, schema and execute().")
+    return probe.name, make
+
+
+def interaction_factory(spec: InteractionSpec) -> Callable[[], Any]:
+    target = import_object(BUILTIN_INTERACTIONS.get(spec.class_name, spec.class_name))
+    if not inspect.isclass(target):
+        raise ConfigError(f"interaction '{spec.name}': '{spec.class_name}' is not a class.")
+    from turnrl.compat.verl import is_verl_interaction, verl_interaction_factory
+    if is_verl_interaction(target):
+        return verl_interaction_factory(target, spec)
+    return lambda: target(**spec.config)
+
+
+def read_tool_config(path: str) -> list[ToolSpec]:
+    """A verl-style tools YAML: `tools: [{class_name, config, tool_schema}, ...]`."""
+    data = _read_yaml_list(path, "tools")
+    return [build(ToolSpec, item, prefix=f"{path}:tools[{i}]") for i, item in enumerate(data)]
+
+
+def read_interaction_config(path: str) -> list[InteractionSpec]:
+    """A verl-style interaction YAML: `interaction: [{name, class_name, config}, ...]`."""
+    data = _read_yaml_list(path, "interaction")
+    return [build(InteractionSpec, item, prefix=f"{path}:interaction[{i}]") for i, item in enumerate(data)]
+
+
+def _read_yaml_list(path: str, key: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"'{path}' does not exist.")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise ConfigError(f"'{path}' must hold a top-level '{key}:' list.")
+    return data[key]

@@ -1,0 +1,236 @@
+"""Tools: a protocol with a per-trajectory lifecycle, function tools, and the per-trajectory runner.
+
+Lifecycle (each trajectory gets its own tool instances, so no state leaks between concurrent samples):
+`create(**row_kwargs)` once at the start, `execute(args)` for every call (state persists across calls),
+`reward()` once at the end, `release()` always, even after errors. Methods may be sync or async; sync ones
+run in a worker thread so a slow tool never blocks the agent loop.
+
+A tool's `execute` may return a `ToolOutput`, a string, or verl's `(text, step_reward, metrics)` tuple.
+Failures are data: a tool that raises or runs past its timeout yields an error result (blamed on the
+environment, which masks the trajectory out of the loss); a call with an unknown name or arguments that do
+not match the schema yields an error result blamed on the policy (it stays in the loss, so the policy can
+learn to call tools correctly). Either way the error text can be returned to the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from turnrl.ledger import ToolCall, ToolResult
+
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass
+class ToolOutput:
+    text: str
+    reward: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Tool(Protocol):
+    name: str
+    schema: dict[str, Any]           # OpenAI function format: {"type": "function", "function": {...}}
+
+    def create(self, **kwargs: Any) -> Any: ...
+    def execute(self, args: dict[str, Any]) -> Any: ...
+    def reward(self) -> Any: ...
+    def release(self) -> Any: ...
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a sync or async callable without blocking the event loop."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    return await maybe_await(await asyncio.to_thread(fn, *args, **kwargs))
+
+
+def _param_docs(doc: str) -> dict[str, str]:
+    """Parameter descriptions from a Google-style `Args:` section."""
+    out, in_args = {}, False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped.lower() in ("args:", "arguments:", "parameters:"):
+            in_args = True
+            continue
+        if in_args:
+            match = re.match(r"(\w+)\s*(\([^)]*\))?\s*:\s*(.+)", stripped)
+            if match:
+                out[match.group(1)] = match.group(3)
+            elif stripped and not line.startswith((" ", "\t")):
+                in_args = False
+    return out
+
+
+def schema_from_function(fn: Callable[..., Any], name: str | None = None) -> dict[str, Any]:
+    """An OpenAI function schema from a Python signature and docstring."""
+    doc = inspect.getdoc(fn) or ""
+    descriptions = _param_docs(doc)
+    hints = {k: v for k, v in getattr(fn, "__annotations__", {}).items() if k != "return"}
+    props, required = {}, []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        tp = hints.get(pname, str)
+        if isinstance(tp, str):  # postponed annotations
+            tp = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}.get(tp, str)
+        prop: dict[str, Any] = {"type": JSON_TYPES.get(getattr(tp, "__origin__", tp), "string")}
+        if pname in descriptions:
+            prop["description"] = descriptions[pname]
+        props[pname] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+    summary = doc.split("\n\n")[0].strip() if doc else (name or fn.__name__)
+    return {"type": "function", "function": {
+        "name": name or fn.__name__, "description": summary,
+        "parameters": {"type": "object", "properties": props, "required": required}}}
+
+
+class FunctionTool:
+    """A stateless tool from a plain function: the schema comes from its signature and docstring."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        self.fn = fn
+        self.schema = schema_from_function(fn, name)
+        self.name = self.schema["function"]["name"]
+
+    def create(self, **kwargs: Any) -> None:
+        return None
+
+    async def execute(self, args: dict[str, Any]) -> Any:
+        return await call(self.fn, **args)
+
+    def reward(self) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+
+def check_arguments(schema: dict[str, Any], args: dict[str, Any]) -> str | None:
+    """A message for arguments that do not fit the schema (missing/unknown keys, wrong JSON types)."""
+    params = schema.get("function", schema).get("parameters", {}) or {}
+    props = params.get("properties", {}) or {}
+    missing = [k for k in params.get("required", []) if k not in args]
+    if missing:
+        return f"missing required argument(s): {', '.join(missing)}"
+    if props and params.get("additionalProperties", False) is False:
+        unknown = [k for k in args if k not in props]
+        if unknown:
+            return f"unknown argument(s): {', '.join(unknown)}; expected {', '.join(props)}"
+    checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+              "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict)}
+    for key, value in args.items():
+        expected = props.get(key, {}).get("type")
+        if isinstance(expected, str) and expected in checks and not checks[expected](value):
+            return f"argument '{key}' must be of type {expected}, got {type(value).__name__}"
+    return None
+
+
+def _normalize(output: Any) -> ToolOutput:
+    if isinstance(output, ToolOutput):
+        return output
+    if isinstance(output, tuple) and 1 <= len(output) <= 3:  # verl: (text, step_reward, metrics)
+        text = output[0]
+        reward = output[1] if len(output) > 1 else None
+        metrics = output[2] if len(output) > 2 else {}
+        if isinstance(text, dict):  # verl's ToolResponse-like {"text": ...}
+            text = text.get("text", "")
+        return ToolOutput(str(text), None if reward is None else float(reward), dict(metrics or {}))
+    if isinstance(output, str):
+        return ToolOutput(output)
+    if output is None:
+        return ToolOutput("")
+    text = getattr(output, "text", None)
+    return ToolOutput(str(text) if text is not None else str(output))
+
+
+class ToolSession:
+    """One trajectory's tool instances, created once and released once."""
+
+    def __init__(self, tools: dict[str, Tool], row_kwargs: dict[str, dict[str, Any]] | None = None,
+                 timeout_s: float = 10.0, max_parallel: int = 4,
+                 truncate: Callable[[str], tuple[str, bool]] | None = None):
+        self.tools = tools
+        self.row_kwargs = row_kwargs or {}
+        self.timeout_s = timeout_s
+        self.semaphore = asyncio.Semaphore(max_parallel)
+        self.truncate = truncate or (lambda text: (text, False))
+        self.create_errors: dict[str, str] = {}
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    async def create(self) -> None:
+        for name, tool in self.tools.items():
+            try:
+                await asyncio.wait_for(call(tool.create, **self.row_kwargs.get(name, {})), self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - recorded, the tool then answers with the error
+                self.create_errors[name] = f"{type(exc).__name__}: {exc}" or "timed out"
+
+    async def execute_all(self, calls: list[ToolCall]) -> list[ToolResult]:
+        return list(await asyncio.gather(*(self._execute(c) for c in calls)))
+
+    async def _execute(self, tc: ToolCall) -> ToolResult:
+        if tc.error:
+            return ToolResult(tc.name, f"Error: {tc.error}", tc.id, error=tc.error, blame="policy")
+        tool = self.tools.get(tc.name)
+        if tool is None:
+            known = ", ".join(self.tools) or "none"
+            msg = f"unknown tool '{tc.name}'; available tools: {known}"
+            return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="policy")
+        bad = check_arguments(tool.schema, tc.arguments or {})
+        if bad:
+            return ToolResult(tc.name, f"Error: {bad}", tc.id, error=bad, blame="policy")
+        if tc.name in self.create_errors:
+            msg = f"tool failed to start: {self.create_errors[tc.name]}"
+            return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment")
+        start = time.perf_counter()
+        async with self.semaphore:
+            try:
+                out = _normalize(await asyncio.wait_for(call(tool.execute, tc.arguments or {}), self.timeout_s))
+            except asyncio.TimeoutError:
+                msg = f"tool '{tc.name}' timed out after {self.timeout_s:g}s"
+                return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment",
+                                  seconds=time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - a crashing tool is data, not a crash
+                msg = f"tool '{tc.name}' raised {type(exc).__name__}: {exc}"
+                return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment",
+                                  seconds=time.perf_counter() - start)
+        text, truncated = self.truncate(out.text)
+        return ToolResult(tc.name, text, tc.id, reward=out.reward, metrics=out.metrics, truncated=truncated,
+                          seconds=time.perf_counter() - start)
+
+    async def rewards(self) -> tuple[dict[str, float], list[str]]:
+        out, errors = {}, []
+        for name, tool in self.tools.items():
+            try:
+                value = await asyncio.wait_for(call(tool.reward), self.timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{name}.reward() failed: {type(exc).__name__}: {exc}")
+                continue
+            if value is not None:
+                out[name] = float(value)
+        return out, errors
+
+    async def release(self) -> list[str]:
+        errors = []
+        for name, tool in self.tools.items():
+            try:
+                await asyncio.wait_for(call(tool.release), self.timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{name}.release() failed: {type(exc).__name__}: {exc}")
+        return errors

@@ -1,0 +1,1 @@
+"""Observability: progress, console tables, metrics sinks."""

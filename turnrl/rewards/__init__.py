@@ -1,0 +1,1 @@
+"""Rewards: answer extraction, reward functions, and their dispatch on trajectories."""

@@ -1,0 +1,1 @@
+"""Rollout: the agent loop (one coroutine per trajectory) and the scheduler that runs a batch of them."""

@@ -1,0 +1,81 @@
+"""Build the rollout parts (engine, chat template, parser, environment, loop) from config sections.
+
+Components take plain arguments; this is the one place that reads config dataclasses for them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from turnrl.chat.parsers import get_parser
+from turnrl.chat.templates import ChatTemplate
+from turnrl.config.schema import EngineConfig, InteractionSpec, RolloutConfig, ToolSpec
+from turnrl.engines.base import Engine, Sampling
+from turnrl.env.loading import (BUILTIN_INTERACTIONS, BUILTIN_TOOLS, interaction_factory, read_interaction_config,
+                                read_tool_config, tool_factory)
+from turnrl.rollout.loop import AgentLoop, Environment, Limits
+
+
+def build_environment(cfg: RolloutConfig) -> Environment:
+    """Configured tools and interactions by name; built-ins are available under their own names."""
+    specs = list(cfg.tools) + (read_tool_config(cfg.tool_config_path) if cfg.tool_config_path else [])
+    tools: dict[str, Any] = {}
+    for spec in specs:
+        name, make = tool_factory(spec)
+        if name in tools:
+            raise ValueError(f"two tools are named '{name}'; tool names must be unique")
+        tools[name] = make
+    for name in BUILTIN_TOOLS:
+        if name not in tools:
+            tools[name] = _lazy(lambda n=name: tool_factory(ToolSpec(class_name=n))[1])
+    ispecs = list(cfg.interactions) + (read_interaction_config(cfg.interaction_config_path)
+                                       if cfg.interaction_config_path else [])
+    interactions: dict[str, Any] = {}
+    for spec in ispecs:
+        if spec.name in interactions:
+            raise ValueError(f"two interactions are named '{spec.name}'")
+        interactions[spec.name] = interaction_factory(spec)
+    for name in BUILTIN_INTERACTIONS:
+        interactions.setdefault(name, _lazy(lambda n=name: interaction_factory(InteractionSpec(n, n))))
+    return Environment(tools, interactions, cfg.tool_timeout_s, cfg.max_parallel_calls, cfg.max_tool_response_tokens,
+                       cfg.truncate_side, cfg.tool_errors_to_model, cfg.interaction_timeout_s)
+
+
+def _lazy(make_factory: Any) -> Any:
+    """A factory that imports its target only when a trajectory first needs it."""
+    cache: list[Any] = []
+
+    def make() -> Any:
+        if not cache:
+            cache.append(make_factory())
+        return cache[0]()
+    return make
+
+
+def load_template(model_dir: str | Path) -> ChatTemplate:
+    from transformers import AutoTokenizer
+    return ChatTemplate(AutoTokenizer.from_pretrained(str(model_dir)))
+
+
+def build_engine(cfg: EngineConfig, model_dir: str | Path) -> Engine:
+    if cfg.kind == "hf":
+        from turnrl.engines.hf import HFEngine
+        return HFEngine(str(model_dir), device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
+                        gather_ms=cfg.gather_ms, seed=cfg.seed)
+    if cfg.kind == "vllm":
+        from turnrl.engines.vllm import VLLMEngine
+        return VLLMEngine.from_config(str(model_dir), cfg)
+    raise ValueError(f"unknown engine kind {cfg.kind!r}")
+
+
+def sampling_from(cfg: RolloutConfig) -> Sampling:
+    s = cfg.sampling
+    return Sampling(max_tokens=s.max_tokens_per_turn, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+
+
+def build_loop(cfg: RolloutConfig, engine: Engine, template: ChatTemplate, env: Environment, seed: int,
+               sampling: Sampling | None = None, policy_version: int = 0) -> AgentLoop:
+    limits = Limits(cfg.max_assistant_turns, cfg.max_user_turns, cfg.max_response_tokens, cfg.max_context_tokens)
+    return AgentLoop(engine, template, get_parser(cfg.tool_parser), env, limits, sampling or sampling_from(cfg),
+                     cfg.on_mismatch, seed, policy_version)

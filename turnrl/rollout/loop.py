@@ -1,0 +1,257 @@
+"""The agent loop: the one loop every engine, task and algorithm goes through.
+
+    prompt -> generate -> parse tool calls -> run tools ------------------> append tool results -> generate
+                                      \\-> (no calls) interaction replies -> append user turn   -> generate
+                                      \\-> (no calls, no interaction) stop
+
+Single-turn is the case with neither tools nor an interaction. Limits are checked before every step:
+`max_assistant_turns`, `max_user_turns` (tool and user turns together, as in verl), a total response-token
+budget (policy and environment tokens after the prompt), and the context length; a turn's `max_tokens`
+never exceeds the budget or the context left, so no turn overshoots. Every stop has an explicit reason.
+
+Failures never escape: engine errors, tool crashes, interaction crashes and template mismatches are
+recorded on the trajectory (environment failures mask it out of the loss) and the loop ends cleanly, so the
+rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from turnrl.chat.parsers import ToolCallParser
+from turnrl.chat.session import ChatMismatchError, ChatSession
+from turnrl.chat.templates import ChatTemplate
+from turnrl.data.rows import Task
+from turnrl.engines.base import Engine, EngineError, Sampling
+from turnrl.env.interactions import as_reply
+from turnrl.env.tools import ToolSession, call
+from turnrl.ledger import Trajectory, Turn
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_assistant_turns: int = 4
+    max_user_turns: int = 4
+    max_response_tokens: int = 1024
+    max_context_tokens: int = 4096
+
+
+@dataclass
+class Environment:
+    """How each trajectory gets its own tools and interaction."""
+    tool_factories: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    interaction_factories: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    tool_timeout_s: float = 10.0
+    max_parallel_calls: int = 4
+    max_tool_response_tokens: int = 256
+    truncate_side: str = "middle"
+    tool_errors_to_model: bool = True
+    interaction_timeout_s: float = 60.0
+
+
+def request_seed(base: int, uid: str, sample: int, turn: int) -> int:
+    return zlib.crc32(f"{base}/{uid}/{sample}/{turn}".encode()) & 0x7FFFFFFF
+
+
+def truncate_tokens(template: ChatTemplate, text: str, limit: int, side: str) -> tuple[str, bool]:
+    ids = template.encode(text)
+    if len(ids) <= limit:
+        return text, False
+    dropped = len(ids) - limit
+    marker = f"...[{dropped} tokens truncated]..."
+    if side == "head":  # keep the end
+        return marker + template.decode(ids[-limit:]), True
+    if side == "tail":  # keep the start
+        return template.decode(ids[:limit]) + marker, True
+    half = limit // 2
+    return template.decode(ids[:half]) + marker + template.decode(ids[len(ids) - (limit - half):]), True
+
+
+class AgentLoop:
+    def __init__(self, engine: Engine, template: ChatTemplate, parser: ToolCallParser, env: Environment,
+                 limits: Limits, sampling: Sampling, on_mismatch: str = "error", seed: int = 0,
+                 policy_version: int = 0):
+        self.engine = engine
+        self.template = template
+        self.parser = parser
+        self.env = env
+        self.limits = limits
+        self.sampling = sampling.with_(stop_token_ids=tuple(sampling.stop_token_ids or template.stop_token_ids))
+        self.on_mismatch = on_mismatch
+        self.seed = seed
+        self.policy_version = policy_version
+
+    def _tools_for(self, task: Task) -> dict[str, Any]:
+        names = list(self.env.tool_factories) if task.tools is None else task.tools
+        missing = [n for n in names if n not in self.env.tool_factories]
+        if missing:
+            raise ValueError(f"task {task.uid} asks for unknown tool(s) {missing}; "
+                             f"configured: {sorted(self.env.tool_factories)}")
+        return {n: self.env.tool_factories[n]() for n in names}
+
+    async def run(self, task: Task, sample_index: int = 0) -> Trajectory:
+        traj = Trajectory(group_id=task.uid, sample_index=sample_index, messages=[], info=dict(task.info),
+                          policy_version=self.policy_version)
+        start = time.perf_counter()
+        tools: ToolSession | None = None
+        interaction = None
+        try:
+            tools = ToolSession(self._tools_for(task), task.tools_kwargs, self.env.tool_timeout_s,
+                                self.env.max_parallel_calls,
+                                lambda text: truncate_tokens(self.template, text, self.env.max_tool_response_tokens,
+                                                             self.env.truncate_side))
+            session = ChatSession(self.template, task.messages, tools.schemas, traj, self.on_mismatch)
+            await tools.create()
+            for name, message in tools.create_errors.items():
+                traj.add_error("tool_create", f"{name}: {message}")
+            if task.interaction is not None:
+                interaction = await self._start_interaction(task, traj)
+            await self._converse(task, traj, session, tools, interaction)
+            session.finish()
+            if traj.parity == "mismatch" and self.on_mismatch == "error":
+                traj.add_error("chat", f"ledger differs from a full re-render: {traj.metrics.get('parity_detail')}")
+        except ChatMismatchError as exc:
+            traj.termination = "error"
+            traj.add_error("chat", str(exc))
+        except Exception as exc:  # noqa: BLE001 - one broken trajectory never stops the batch
+            traj.termination = "error"
+            traj.add_error("internal", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+        finally:
+            await self._finish(traj, tools, interaction)
+        traj.timings["total_s"] = time.perf_counter() - start
+        return traj
+
+    async def _start_interaction(self, task: Task, traj: Trajectory) -> Any:
+        kwargs = dict(task.interaction or {})
+        name = kwargs.pop("name")
+        factory = self.env.interaction_factories.get(name)
+        if factory is None:
+            raise ValueError(f"task {task.uid} asks for unknown interaction '{name}'; "
+                             f"configured: {sorted(self.env.interaction_factories)}")
+        interaction = factory()
+        try:
+            await asyncio.wait_for(call(interaction.start, **kwargs), self.env.interaction_timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            traj.termination = "error"
+            traj.add_error("interaction", f"start failed: {type(exc).__name__}: {exc}")
+            return None
+        return interaction
+
+    async def _converse(self, task: Task, traj: Trajectory, session: ChatSession, tools: ToolSession,
+                        interaction: Any) -> None:
+        if traj.masked:
+            return
+        limits = self.limits
+        prompt_len = len(session.context_ids)
+        env_turns = 0
+        turn_index = 0
+        while True:
+            used = sum(len(s) for s in traj.segments) - prompt_len
+            budget = limits.max_response_tokens - used
+            context = limits.max_context_tokens - len(session.context_ids)
+            if budget <= 0 or context <= 0:
+                traj.termination = "token_budget" if budget <= 0 else "context_limit"
+                return
+            max_tokens = min(self.sampling.max_tokens, budget, context)
+            sampling = self.sampling.with_(max_tokens=max_tokens,
+                                           seed=request_seed(self.seed, task.uid, traj.sample_index, turn_index))
+            t0 = time.perf_counter()
+            try:
+                completion = await self.engine.generate(list(session.context_ids), sampling)
+            except EngineError as exc:
+                traj.termination = "error"
+                traj.add_error("engine", str(exc), turn_index)
+                return
+            traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
+            turn = session.add_assistant(completion.token_ids, completion.logprobs, completion.finish_reason,
+                                         turn_index)
+            if completion.finish_reason == "abort":
+                traj.termination = "error"
+                traj.add_error("engine", "request aborted", turn_index)
+                return
+            if completion.finish_reason == "length" and completion.token_ids and max_tokens < self.sampling.max_tokens:
+                traj.termination = "token_budget" if max_tokens == budget else "context_limit"
+                return
+            calls = self.parser.parse(turn.text)
+            if not calls and interaction is None:
+                traj.termination = "eos" if completion.finish_reason == "stop" else "token_budget"
+                return
+            if turn_index + 1 >= limits.max_assistant_turns:
+                traj.termination = "max_assistant_turns"
+                return
+            if env_turns >= limits.max_user_turns:
+                traj.termination = "max_user_turns"
+                return
+            if calls:
+                new_messages = await self._run_tools(calls, turn, traj, tools)
+                if new_messages is None:
+                    return
+            else:
+                new_messages = await self._ask_user(interaction, turn, traj)
+                if new_messages is None:
+                    return
+            env_turns += 1
+            turn_index += 1
+            session.add_environment(new_messages, turn_index - 1)
+
+    async def _run_tools(self, calls: list[Any], turn: Turn, traj: Trajectory, tools: ToolSession
+                         ) -> list[dict[str, Any]] | None:
+        t0 = time.perf_counter()
+        turn.tool_calls = calls
+        results = await tools.execute_all(calls)
+        turn.tool_results = results
+        traj.timings["tools_s"] = traj.timings.get("tools_s", 0.0) + time.perf_counter() - t0
+        for r in results:
+            if r.reward is not None:
+                turn.tool_reward += r.reward
+            if r.error:
+                kind = "tool_parse" if r.blame == "policy" else ("tool_timeout" if "timed out" in r.error else "tool_error")
+                traj.add_error(kind, r.error, turn.index, blame=r.blame or "environment")
+        if any(r.error for r in results) and not self.env.tool_errors_to_model:
+            traj.termination = "error"
+            return None
+        return [self.template.tool_message(r.name or "unknown", r.text, r.call_id) for r in results]
+
+    async def _ask_user(self, interaction: Any, turn: Turn, traj: Trajectory) -> list[dict[str, Any]] | None:
+        t0 = time.perf_counter()
+        try:
+            reply = as_reply(await asyncio.wait_for(call(interaction.respond, [dict(m) for m in traj.messages]),
+                                                    self.env.interaction_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - a broken simulated user is data
+            traj.termination = "error"
+            what = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+            traj.add_error("interaction", f"respond failed: {what}", turn.index)
+            return None
+        finally:
+            traj.timings["interaction_s"] = traj.timings.get("interaction_s", 0.0) + time.perf_counter() - t0
+        turn.user_reward += reply.reward
+        turn.user_reply = reply.text
+        if reply.info:
+            traj.metrics.setdefault("interaction_info", []).append(reply.info)
+        if reply.done:
+            traj.termination = "interaction_done"
+            return None
+        return [{"role": "user", "content": reply.text}]
+
+    async def _finish(self, traj: Trajectory, tools: ToolSession | None, interaction: Any) -> None:
+        """Final rewards and release, whatever happened before."""
+        if tools is not None:
+            rewards, errors = await tools.rewards()
+            for name, value in rewards.items():
+                traj.reward_parts[f"tool:{name}"] = value
+            for message in errors + await tools.release():
+                traj.add_error("tool_lifecycle", message)
+        if interaction is not None:
+            try:
+                final = await asyncio.wait_for(call(interaction.finish), self.env.interaction_timeout_s)
+                if final is not None:
+                    traj.reward_parts["interaction"] = float(final)
+            except Exception as exc:  # noqa: BLE001
+                traj.add_error("interaction", f"finish failed: {type(exc).__name__}: {exc}")
+        if not traj.termination:
+            traj.termination = "error"

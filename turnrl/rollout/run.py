@@ -1,0 +1,53 @@
+"""`turnrl rollout`: run the configured tasks through the agent loop and save the trajectories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from turnrl.config import Config, dump_yaml
+from turnrl.data import load_dataset
+from turnrl.models import resolve
+from turnrl.observe.progress import Progress
+from turnrl.observe.store import write_trajectories
+from turnrl.rewards.functions import load_reward_function, score_all
+from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template
+from turnrl.rollout.scheduler import Timer, run_batch, summarize
+
+
+def reward_functions(cfg: Config) -> list[Any]:
+    weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
+    return [load_reward_function(name, w) for name, w in zip(cfg.reward.functions, weights)]
+
+
+async def rollout_to_dir(cfg: Config, out: Path, limit: int | None = None, min_reward: float | None = None
+                         ) -> dict[str, Any]:
+    d = cfg.data.train
+    tasks = load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows)[:limit]
+    model_path = resolve(cfg.model.name)
+    template = load_template(model_path)
+    env = build_environment(cfg.rollout)
+    functions = reward_functions(cfg)
+    engine = build_engine(cfg.engine, model_path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    progress = Progress(len(tasks) * cfg.rollout.n, "rollout", cfg.logging.progress)
+    try:
+        loop = build_loop(cfg.rollout, engine, template, env, cfg.seed)
+        timer = Timer()
+        trajectories = await run_batch(loop, tasks, cfg.rollout.n, cfg.rollout.concurrency,
+                                       on_done=lambda t: progress.update(1))
+        seconds = timer.seconds
+        await score_all(trajectories, functions, cfg.reward.use_tool_rewards, cfg.reward.use_interaction_rewards)
+    finally:
+        progress.close()
+        await engine.close()
+    write_trajectories(out / "trajectories.jsonl", trajectories)
+    summary = summarize(trajectories, seconds)
+    if min_reward is not None:
+        accepted = [t for t in trajectories if t.reward >= min_reward and not t.masked]
+        write_trajectories(out / "accepted.jsonl", accepted)
+        summary["accepted"] = len(accepted)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
