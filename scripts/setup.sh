@@ -22,4 +22,12 @@ if [ ! -f "$stamp" ]; then
   rm -f "$VENV"/.turnrl-*
   touch "$stamp"
 fi
+# The viewer's browser test drives Debian's chromium: install it where we can (root with apt-get), else
+# that test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "[setup] installing Debian's chromium (for tests/observe/test_viewer_browser.py)" >&2
+  apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; }
+  apt_install || { apt-get update -qq >/dev/null 2>&1 && apt_install; } ||
+    echo "[setup] could not install chromium; the browser test will be skipped" >&2
+fi
 "$VENV/bin/turnrl" models prepare smollm2-135m-instruct >/dev/null

@@ -127,13 +127,14 @@ def main(argv: list[str] | None = None) -> int:
 def _register_optional_commands() -> None:
     """Commands that live with their subsystem register themselves here."""
     import importlib
-    for module in ("turnrl.train.cli",):
+    for module in ("turnrl.train.cli", "turnrl.bench.cli", "turnrl.observe.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
+            if exc.name is None or not module.startswith(exc.name):
                 raise
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # commands register on `turnrl.cli`, not on this `__main__` copy
+    from turnrl.cli import main as package_main
+    sys.exit(package_main())

@@ -211,8 +211,9 @@ def to_batch(trajectories: list[Trajectory], turn_rewards: bool = False, pad_id:
     """Pad all segments of `trajectories` into a `Batch`.
 
     Rewards: the trajectory reward (the total, step rewards included) sits on the last policy token of its
-    last segment. With `turn_rewards`, each turn's step reward sits on that turn's last policy token instead
-    and only the rest of the total (the outcome part) on the last one, so the row still sums to the total.
+    last segment that has one. With `turn_rewards`, each turn's step reward sits on that turn's last policy
+    token instead and only the rest of the total (the outcome part) on the last one, so the rows still sum to
+    the total.
     Masked trajectories keep their rows, with a zero loss mask.
     """
     rows = [(ti, si) for ti, t in enumerate(trajectories) for si in range(len(t.segments))]
@@ -228,6 +229,10 @@ def to_batch(trajectories: list[Trajectory], turn_rewards: bool = False, pad_id:
     group_ids = torch.zeros(B, dtype=torch.long)
     traj_index = torch.zeros(B, dtype=torch.long)
     rewards = torch.zeros(B)
+    # The outcome goes on the last policy token of the trajectory: in its last segment that has one (a split
+    # can leave a final segment that holds only the re-rendered history, e.g. when the budget ran out).
+    outcome_segment = {ti: max((si for si, seg in enumerate(t.segments) if _last_policy_index(seg) >= 0),
+                               default=len(t.segments) - 1) for ti, t in enumerate(trajectories)}
     for row, (ti, si) in enumerate(rows):
         traj, seg = trajectories[ti], trajectories[ti].segments[si]
         n = len(seg)
@@ -246,7 +251,7 @@ def to_batch(trajectories: list[Trajectory], turn_rewards: bool = False, pad_id:
                 if t.segment == si and t.end > t.start:
                     token_rewards[row, t.end - 1] += t.reward
             outcome -= sum(t.reward for t in traj.turns if t.end > t.start)
-        if si == len(traj.segments) - 1:
+        if si == outcome_segment[ti]:
             last = _last_policy_index(seg)
             if last >= 0:
                 token_rewards[row, last] += outcome

@@ -16,6 +16,7 @@ transformers, and save bf16 safetensors plus the tokenizer and its ChatML templa
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -162,19 +163,31 @@ def resolve(spec: str) -> Path:
     """A model spec -> a local directory that `from_pretrained` loads."""
     if spec in ALIASES:
         return prepare(spec)
+    if not spec.strip():
+        raise ModelError(f"The model spec is empty. Set model.name to a built-in ({', '.join(ALIASES)}), "
+                         "a local directory or a cached hub id (owner/name).")
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"'{spec}' is a directory but holds no config.json: not a Hugging Face model.")
         return path
-    if "/" in spec and not spec.startswith((".", "/")):
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec:  # a path, not owner/name
+        raise ModelError(f"Model directory '{spec}' does not exist. Pass an existing Hugging Face model "
+                         f"directory, a built-in ({', '.join(ALIASES)}) or a cached hub id (owner/name).")
+    if "/" in spec:
         try:
             from huggingface_hub import snapshot_download
-            return Path(snapshot_download(spec, local_files_only=True))
+            path = Path(snapshot_download(spec, local_files_only=True))
         except Exception:  # noqa: BLE001 - any hub failure means "not in the local cache"
             raise ModelError(
                 f"Model '{spec}' is not in the local Hugging Face cache and turnrl does not download at run "
                 f"time. Download it first (huggingface-cli download {spec}) or pass a local directory. "
                 f"Built-ins: {', '.join(ALIASES)}.") from None
+        if not (path / "config.json").is_file():
+            raise ModelError(f"The cached hub snapshot of '{spec}' at {path} holds no config.json: not a complete "
+                             f"Hugging Face model. Download it again (huggingface-cli download {spec}).")
+        return path
+    close = difflib.get_close_matches(spec, list(ALIASES), n=1, cutoff=0.4)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
     raise ModelError(f"Unknown model '{spec}': not a built-in ({', '.join(ALIASES)}), a local directory, "
-                     "or a hub id (owner/name).")
+                     f"or a hub id (owner/name).{hint}")

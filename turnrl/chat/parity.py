@@ -78,7 +78,16 @@ def token_diff(template: ChatTemplate, expected: list[int], actual: list[int], c
 
 def check_conversation(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                        on_mismatch: str = "error", name: str = "") -> tuple[ParityReport, Trajectory]:
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return replay_conversation(template, messages, tools, on_mismatch, name)
+
+
+def replay_conversation(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                        on_mismatch: str = "error", name: str = "", prompt_len: int | None = None
+                        ) -> tuple[ParityReport, Trajectory]:
+    """Build a ledger as if the policy had sampled each assistant message after the first `prompt_len`
+    messages (default: everything before the first assistant message is the prompt)."""
+    first = prompt_len if prompt_len is not None else \
+        next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     traj = Trajectory(group_id=name or "parity", sample_index=0, messages=[])
     stop = template.stop_token_ids[0]
     try:

@@ -32,6 +32,18 @@ def strip_reasoning(text: str) -> str:
     return THINK.sub("", text)
 
 
+def _loads(text: str) -> Any:
+    """`json.loads` whose every failure is a `ValueError` (deeply nested input raises RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _error_text(exc: ValueError) -> str:
+    return exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+
+
 def _call_from_obj(obj: Any, raw: str, args_key: str, index: int) -> ToolCall:
     call_id = f"call_{index}"
     if not isinstance(obj, dict):
@@ -43,9 +55,9 @@ def _call_from_obj(obj: Any, raw: str, args_key: str, index: int) -> ToolCall:
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            return ToolCall(name, None, raw, call_id, error=f"arguments are not valid JSON: {exc.msg}")
+            args = _loads(args) if args.strip() else {}
+        except ValueError as exc:
+            return ToolCall(name, None, raw, call_id, error=f"arguments are not valid JSON: {_error_text(exc)}")
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -63,9 +75,10 @@ class HermesParser:
                 calls.append(ToolCall("", None, raw, f"call_{i}", error="unterminated <tool_call> (no </tool_call>)"))
                 continue
             try:
-                obj = json.loads(body)
-            except json.JSONDecodeError as exc:
-                calls.append(ToolCall("", None, raw, f"call_{i}", error=f"malformed JSON in <tool_call>: {exc.msg}"))
+                obj = _loads(body)
+            except ValueError as exc:
+                calls.append(ToolCall("", None, raw, f"call_{i}",
+                                      error=f"malformed JSON in <tool_call>: {_error_text(exc)}"))
                 continue
             calls.append(_call_from_obj(obj, raw, "arguments", i))
         return calls
@@ -79,18 +92,31 @@ class Llama3JsonParser:
         if not body.startswith(("{", "[")):
             return []
         try:
-            obj = json.loads(body)
-            objs = obj if isinstance(obj, list) else [obj]
-        except json.JSONDecodeError:
-            parts = [p.strip() for p in body.split(";") if p.strip()]
-            objs = []
-            for p in parts:
-                try:
-                    objs.append(json.loads(p))
-                except json.JSONDecodeError as exc:
-                    return [ToolCall("", None, body, "call_0", error=f"malformed JSON tool call: {exc.msg}")]
-        return [_call_from_obj(o, json.dumps(o) if not isinstance(o, str) else o, "parameters", i)
-                for i, o in enumerate(objs)]
+            objs = _separated_values(body)
+        except ValueError as exc:
+            return [ToolCall("", None, body, "call_0", error=f"malformed JSON tool call: {_error_text(exc)}")]
+        if len(objs) == 1 and isinstance(objs[0], list):
+            objs = objs[0]
+        return [_call_from_obj(o, json.dumps(o, ensure_ascii=False), "parameters", i) for i, o in enumerate(objs)]
+
+
+def _separated_values(body: str) -> list[Any]:
+    """`{...}; {...}` -> the JSON values, read one after the other (a ';' inside a string stays in it)."""
+    decoder = json.JSONDecoder()
+    values, at = [], 0
+    while True:
+        while at < len(body) and (body[at].isspace() or (values and body[at] == ";")):
+            at += 1
+        if at == len(body):
+            return values
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
+        values.append(value)
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            raise ValueError(f"expected ';' between tool calls at char {len(body) - len(rest)}")
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

@@ -13,8 +13,10 @@ turns, ...). `on_mismatch` decides: `error` raises, `warn` appends the template'
 `split` starts a new segment (a new training sample) from a full re-render of the conversation.
 
 At the end, `finish` closes the last assistant turn and compares the ledger with a full re-render of its
-messages: `exact` (same token ids), `token_drift` (same text, but the policy sampled a non-canonical
-tokenization: harmless here, fatal for frameworks that re-tokenize), or `mismatch`.
+messages: `exact` (same token ids), `token_drift` (same text, other token ids: the policy sampled a
+non-canonical tokenization, or the tokenizer merges differently across the end of the generation prompt, e.g.
+a `\n\n` that ends the prompt is one token but splits before the reply in a full render; harmless here, fatal
+for frameworks that re-tokenize), or `mismatch`.
 """
 
 from __future__ import annotations
@@ -183,8 +185,13 @@ class ChatSession:
         messages = self.traj.messages
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
         full = self._render(messages, generation=not ends_with_assistant)
-        if ends_with_assistant and full.startswith(self._text) and len(full) > len(self._text):
-            self._append_pieces([(full[len(self._text):], Source.TEMPLATE)], self.traj.turns[-1].index)
+        if ends_with_assistant and self.traj.turns:
+            if full.startswith(self._text):
+                closing = full[len(self._text):]
+            else:  # the ledger already differs (on_mismatch 'warn'): close the turn as `add_environment` does
+                closing = self._glue() if not self._text.endswith(self.template.assistant_suffix) else ""
+            if closing:
+                self._append_pieces([(closing, Source.TEMPLATE)], self.traj.turns[-1].index)
         seg = self.traj.segment
         ledger_text = self.template.decode(seg.token_ids)
         if ledger_text != full:

@@ -97,10 +97,12 @@ class VerlInteractionAdapter:
 
     async def finish(self) -> float | None:
         score = None
-        if hasattr(self.inner, "calculate_score"):
-            score = await maybe_await(self.inner.calculate_score(self.instance_id))
-        if hasattr(self.inner, "finalize_interaction"):
-            await maybe_await(self.inner.finalize_interaction(self.instance_id))
+        try:
+            if hasattr(self.inner, "calculate_score"):
+                score = await maybe_await(self.inner.calculate_score(self.instance_id))
+        finally:  # finalize releases the instance's resources, even when scoring failed
+            if hasattr(self.inner, "finalize_interaction"):
+                await maybe_await(self.inner.finalize_interaction(self.instance_id))
         return None if score is None else float(score)
 
 

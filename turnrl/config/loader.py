@@ -6,13 +6,14 @@ suggests the closest valid one. Nothing is ever silently ignored.
 
 Supported field types: bool, int, float, str, `Literal[...]`, `X | None`, `list[X]`, `dict[str, X]`,
 nested dataclasses and `Any` (free-form values handed to user code, e.g. a tool's own config).
-Fields whose metadata has `secret=True` are redacted by `to_dict(..., redact=True)`.
+Fields whose metadata has `secret=True` are redacted by `to_dict(..., redact=True)` and never echoed in errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -58,6 +59,16 @@ def _suggest(key: str, valid: list[str], prefix: str = "") -> str:
     return f"{hint} Valid keys: {', '.join(sorted(valid))}."
 
 
+def _same_shape(value: Any, tp: Any) -> bool:
+    if isinstance(value, dict):
+        return dataclasses.is_dataclass(tp) or get_origin(tp) is dict
+    return isinstance(value, list) and get_origin(tp) is list
+
+
+# PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string, not a float. Accept it for float fields.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against type `tp` and return it converted (dataclasses built, ints widened)."""
     if tp is Any:
@@ -67,18 +78,25 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
+        shaped = None  # the error of the alternative whose shape matches (a mapping for a dataclass, ...)
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(value, arg, key)
             except ConfigError as exc:
-                errors.append(str(exc))
+                if shaped is None and _same_shape(value, arg):
+                    shaped = exc
+        if shaped is not None:  # e.g. an unknown key inside an optional section: report that, not the union
+            raise shaped
         raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.")
     if origin is Literal:
-        if value in get_args(tp):
+        if value in get_args(tp) and not isinstance(value, bool):
             return value
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
+            for word in (("on", "yes", "true") if value else ("off", "no", "false")):
+                if word in get_args(tp):
+                    return word
         close = difflib.get_close_matches(str(value), [str(a) for a in get_args(tp)], n=1, cutoff=0.4)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"'{key}' must be {_type_name(tp)}, got {value!r}.{hint}")
@@ -105,8 +123,13 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"'{key}' must be an integer, got {value!r}.")
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
+            value = float(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"'{key}' is too large for a number (a {value.bit_length()}-bit integer).") from None
         raise ConfigError(f"'{key}' must be a number, got {value!r}.")
     if tp is str:
         if isinstance(value, str):
@@ -125,7 +148,14 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             raise ConfigError(f"Unknown config key '{full}'." + _suggest(str(key), list(fields), prefix))
-        kwargs[key] = _convert(value, hints[key], full)
+        if fields[key].metadata.get("secret"):
+            try:
+                kwargs[key] = _convert(value, hints[key], full)
+            except ConfigError:  # the message would hold the secret itself
+                raise ConfigError(f"'{full}' must be {_type_name(hints[key])} (value not shown: it is secret; "
+                                  "quote it in YAML).") from None
+        else:
+            kwargs[key] = _convert(value, hints[key], full)
     try:
         obj = cls(**kwargs)
     except TypeError as exc:  # a required field is missing
@@ -153,26 +183,38 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"Bad override '{text}': the key '{key}' must be dotted names like model.lora.rank.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: ints past 4300 digits
         raise ConfigError(f"Bad override '{text}': the value does not parse ({exc.__class__.__name__}). "
                           "Quote strings that contain ':' or brackets.") from None
     return parts, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Merge dotted overrides into a plain mapping (validation happens in `build`)."""
+    """Merge dotted overrides into a plain mapping (validation happens in `build`).
+
+    A numeric part indexes into a list that is already there: `rollout.tools.0.config.x=1`.
+    """
     out = _deep_copy(data)
     for text in overrides:
         parts, value = parse_override(text)
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
+        node: Any = out
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            where = ".".join(parts[:i])
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"Bad override '{text}': '{where}' is a list of {len(node)} item(s); "
+                                      f"'{part}' is not an index into it (0 to {len(node) - 1}).")
+                part = int(part)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"Bad override '{text}': '{where}' is a value, not a section.")
+            if last:
+                node[part] = value
+                break
+            child = node[part] if isinstance(node, list) else node.get(part)
             if child is None:
                 child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"Bad override '{text}': '{'.'.join(parts[:i + 1])}' is a value, not a section.")
             node = child
-        node[parts[-1]] = value
     return out
 
 
@@ -190,7 +232,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"Config file '{path}' does not exist.")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
         raise ConfigError(f"Config file '{path}' is not valid YAML: {exc}") from None
     if data is None:
         return {}

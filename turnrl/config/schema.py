@@ -40,6 +40,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
 
 
+VLLM_LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 @dataclass
 class EngineConfig:
     kind: Literal["hf", "vllm"] = "hf"
@@ -54,7 +57,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
-    cpu_kv_cache_gb: float = 2.0
+    cpu_kv_cache_gb: float = 2.0         # vllm on CPU: KV cache size (GPU: gpu_memory_utilization)
+    max_lora_rank: int = 0               # vllm: > 0 adds a LoRA slot so adapters sync alone (>= model.lora.rank)
+    enable_sleep_mode: bool = False      # vllm on GPU: allow engine.sleep()/wake_up() to free GPU memory
 
     def validate(self) -> None:
         _positive("max_batch_size", self.max_batch_size)
@@ -62,6 +67,9 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ConfigError(f"'max_lora_rank' must be one of {VLLM_LORA_RANKS} (0 = no LoRA slot; vLLM's sizes), "
+                              f"got {self.max_lora_rank}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"'gpu_memory_utilization' must be in (0, 1], got {self.gpu_memory_utilization}.")
 
@@ -135,20 +143,31 @@ class DatasetConfig:
     max_rows: int | None = None
 
     def validate(self) -> None:
-        if (self.path is None) == (self.task is None):
-            raise ConfigError("set exactly one of 'path' (a JSONL/Parquet file) or 'task' (a built-in task).")
+        if self.path is not None and self.task is not None:
+            raise ConfigError("set only one of 'path' (a JSONL/Parquet file) or 'task' (a built-in task).")
         _positive("size", self.size)
+
+
+DEFAULT_TRAIN_TASK = "calculator"
 
 
 @dataclass
 class DataConfig:
-    train: DatasetConfig = field(default_factory=lambda: DatasetConfig(task="calculator"))
+    # A train set with neither path nor task is the built-in task: `data.train.size=32` alone keeps it, and
+    # `data.train.path=x.jsonl` alone replaces it.
+    train: DatasetConfig = field(default_factory=DatasetConfig)
     eval: DatasetConfig | None = None
     prompts_per_step: int = 8
     shuffle: bool = True
 
+    def __post_init__(self) -> None:
+        if self.train.path is None and self.train.task is None:
+            self.train.task = DEFAULT_TRAIN_TASK
+
     def validate(self) -> None:
         _positive("prompts_per_step", self.prompts_per_step)
+        if self.eval is not None and self.eval.path is None and self.eval.task is None:
+            raise ConfigError("'eval' needs 'path' (a JSONL/Parquet file) or 'task' (a built-in task).")
 
 
 @dataclass
@@ -157,6 +176,7 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)    # one per function; default 1.0 each
     use_tool_rewards: bool = True
     use_interaction_rewards: bool = True
+    accuracy_part: str | None = None     # reward part read as accuracy (default: first function, else interaction)
 
     def validate(self) -> None:
         if self.weights and len(self.weights) != len(self.functions):
@@ -235,8 +255,27 @@ class TrainerConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning on conversations (and rejection-sampling rounds); uses trainer.optim etc."""
+    epochs: int = 1
+    batch_size: int = 16                 # conversations per optimizer step
+    max_length: int = 2048               # longer conversations are skipped and counted
+    rounds: int = 0                      # > 0: rejection sampling: collect -> filter -> SFT, this many times
+    prompts_per_round: int = 32
+    min_reward: float = 1.0              # acceptance threshold for rejection sampling
+    export_dir: str | None = None        # the merged final model (default OUTPUT_DIR/model)
+
+    def validate(self) -> None:
+        _positive("epochs", self.epochs)
+        _positive("batch_size", self.batch_size)
+        _positive("max_length", self.max_length)
+        _positive("rounds", self.rounds, allow_zero=True)
+        _positive("prompts_per_round", self.prompts_per_round)
+
+
+@dataclass
 class LoggingConfig:
-    sinks: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console"])
+    sinks: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["console"])
     project: str = "turnrl"
     run_name: str | None = None
     wandb_api_key: str | None = secret()
@@ -252,6 +291,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output_dir: str = "runs/default"
     seed: int = 0

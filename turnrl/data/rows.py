@@ -30,6 +30,7 @@ class Task:
     extra: dict[str, Any] = field(default_factory=dict)
     index: int = 0
     agent_name: str | None = None
+    demonstration: list[dict[str, Any]] | None = None  # a correct continuation of `messages` (for SFT)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -65,6 +66,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
+VERL_TOOL_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+
+
+def _create_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """A tool's create kwargs: verl's `{create_kwargs: {...}, execute_kwargs: ...}` or a plain mapping."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DataError(f"{where} must be a mapping of create kwargs, got {type(value).__name__}")
+    if any(k in value for k in VERL_TOOL_KWARGS):
+        return dict(value.get("create_kwargs") or {})
+    return dict(value)
+
+
 def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
     row = _plain(row)
     if not isinstance(row, dict):
@@ -80,7 +95,7 @@ def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
     tools_kwargs = row.get("tools_kwargs", extra_info.get("tools_kwargs")) or {}
     if not isinstance(tools_kwargs, dict):
         raise DataError(f"{where}: 'tools_kwargs' must map tool names to create kwargs")
-    tools_kwargs = {k: dict(v.get("create_kwargs", v)) if isinstance(v, dict) else {} for k, v in tools_kwargs.items()}
+    tools_kwargs = {k: _create_kwargs(v, f"{where}: tools_kwargs['{k}']") for k, v in tools_kwargs.items()}
     interaction = row.get("interaction", extra_info.get("interaction_kwargs"))
     if interaction is not None and (not isinstance(interaction, dict) or "name" not in interaction):
         raise DataError(f"{where}: 'interaction' must be a mapping with a 'name'")

@@ -9,6 +9,7 @@ Options are checked: an unknown option is an error.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any, Callable
 
@@ -36,17 +37,33 @@ def _expression(rng: random.Random, steps: int, max_value: int) -> tuple[str, in
     return text, value
 
 
+def _calculator_question(expr: str) -> str:
+    return (f"What is {expr}? Use the calculator tool to compute it, then give the final answer "
+            f"on its own line as '#### <number>'.")
+
+
+def calculator_demo(expr: str, value: int) -> list[dict[str, Any]]:
+    """A worked example conversation: question, calculator call, result, `####` answer."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+    return [{"role": "user", "content": _calculator_question(expr)},
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": str(value)},
+            {"role": "assistant", "content": f"The result is {value}.\n#### {value}"}]
+
+
 def calculator(size: int, seed: int, options: dict[str, Any]) -> list[Task]:
-    o = _opts(options, {"steps": 2, "max_value": 30}, "calculator")
+    """`demo: true` puts one worked example (a different expression) before the question: small models
+    rarely call tools from the schema alone, and with one example they do most of the time."""
+    o = _opts(options, {"steps": 2, "max_value": 30, "demo": False}, "calculator")
     rng = random.Random(seed)
     tasks = []
     for i in range(size):
         expr, value = _expression(rng, o["steps"], o["max_value"])
-        question = (f"What is {expr}? Use the calculator tool to compute it, then give the final answer "
-                    f"on its own line as '#### <number>'.")
+        demo = calculator_demo(*_expression(rng, o["steps"], o["max_value"])) if o["demo"] else []
         tasks.append(Task(uid=f"calculator-{seed}-{i}", messages=[
-            {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            {"role": "system", "content": SYSTEM}, *demo, {"role": "user", "content": _calculator_question(expr)}],
             tools=["calculator"], ground_truth=str(value), data_source="calculator", index=i,
+            demonstration=calculator_demo(expr, value)[1:],
             extra={"expression": expr}))
     return tasks
 
@@ -60,8 +77,10 @@ def feedback_math(size: int, seed: int, options: dict[str, Any]) -> list[Task]:
         tasks.append(Task(uid=f"feedback_math-{seed}-{i}", messages=[
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"What is {expr}? Reply with just the number."}],
-            tools=[], interaction={"name": "math_feedback", "ground_truth": str(value)},
-            ground_truth=str(value), data_source="feedback_math", index=i, extra={"expression": expr}))
+            tools=[], interaction={"name": "math_feedback", "ground_truth": str(value),
+                                   "max_attempts": o["max_attempts"]},
+            ground_truth=str(value), data_source="feedback_math", index=i, extra={"expression": expr},
+            demonstration=[{"role": "assistant", "content": str(value)}]))
     return tasks
 
 

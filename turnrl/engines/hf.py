@@ -59,7 +59,9 @@ def sample_rows(logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tenso
         probs = _truncate(probs, reqs)
     cdf = probs.cumsum(dim=-1)
     u = torch.tensor([float(torch.rand(1, generator=r.generator)) for r in reqs], device=logits.device)
-    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp(max=logits.shape[1] - 1)
+    # right=True: the first token whose cdf passes u, so a zero-probability token is never picked (u may be 0)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    tokens = tokens.clamp(max=logits.shape[1] - 1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
@@ -109,6 +111,8 @@ class HFEngine:
             raise EngineError("engine is closed")
         if not prompt_ids:
             raise EngineError("empty prompt")
+        if sampling.max_tokens < 1:  # the prefill always samples one token
+            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
         loop = asyncio.get_running_loop()
         gen = torch.Generator(device="cpu")
         with self._cv:
@@ -127,8 +131,7 @@ class HFEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (between decode steps; the worker holds the same lock per step)."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
         with self._weights_lock, torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
@@ -166,6 +169,8 @@ class HFEngine:
                 active = 0 if batch is None else len(batch.reqs)
                 fresh = self._take(self.max_batch_size - active, block=active == 0)
                 if self._closed:
+                    for req in fresh:  # taken from the queue but never started: fail them, don't leave them hanging
+                        self._resolve(req, exc=EngineError("engine closed"))
                     break
                 start = time.perf_counter()
                 with self._weights_lock:

@@ -46,7 +46,11 @@ def import_object(name: str) -> Any:
             spec = importlib.util.spec_from_file_location(mod_key, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[mod_key] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # a half-run module must not be cached and found by the next lookup
+                del sys.modules[mod_key]
+                raise ConfigError(f"'{name}': running {path} failed: {type(exc).__name__}: {exc}") from exc
     else:
         try:
             module = importlib.import_module(module_name)
@@ -67,8 +71,9 @@ def tool_factory(spec: ToolSpec) -> tuple[str, Callable[[], Tool]]:
 
         def make() -> Tool:
             tool = target(**spec.config)
-            if spec.tool_schema is not None:
+            if spec.tool_schema is not None:  # the model calls the tool by the schema's name
                 tool.schema = spec.tool_schema
+                tool.name = _schema_name(spec)
             return tool
     elif callable(target):
         if spec.config:
@@ -78,15 +83,30 @@ def tool_factory(spec: ToolSpec) -> tuple[str, Callable[[], Tool]]:
             tool = FunctionTool(target)
             if spec.tool_schema is not None:
                 tool.schema = spec.tool_schema
-                tool.name = spec.tool_schema.get("function", spec.tool_schema)["name"]
+                tool.name = _schema_name(spec)
             return tool
     else:
         raise ConfigError(f"tool '{spec.class_name}' is neither a class nor a function.")
-    probe = make()
+    try:
+        probe = make()
+    except ConfigError:
+        raise
+    except Exception as exc:  # e.g. a constructor that does not take the configured keys
+        raise ConfigError(f"tool '{spec.class_name}' cannot be built with config {spec.config}: "
+                          f"{type(exc).__name__}: {exc}") from exc
     for attr in ("name", "schema", "execute"):
         if not hasattr(probe, attr):
             raise ConfigError(f"tool '{spec.class_name}' has no '{attr}': a tool needs name, schema and execute().")
     return probe.name, make
+
+
+def _schema_name(spec: ToolSpec) -> str:
+    schema = spec.tool_schema or {}
+    name = (schema.get("function") or schema).get("name") if isinstance(schema, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"tool '{spec.class_name}': its tool_schema has no function name "
+                          "(expected {type: function, function: {name: ..., parameters: ...}}).")
+    return name
 
 
 def interaction_factory(spec: InteractionSpec) -> Callable[[], Any]:

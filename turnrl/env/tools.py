@@ -2,8 +2,9 @@
 
 Lifecycle (each trajectory gets its own tool instances, so no state leaks between concurrent samples):
 `create(**row_kwargs)` once at the start, `execute(args)` for every call (state persists across calls),
-`reward()` once at the end, `release()` always, even after errors. Methods may be sync or async; sync ones
-run in a worker thread so a slow tool never blocks the agent loop.
+`reward()` once at the end, `release()` always, even after errors. Only `execute` is required; a tool
+without `create`, `reward` or `release` skips that step. Methods may be sync or async; sync ones run in a
+worker thread so a slow tool never blocks the agent loop.
 
 A tool's `execute` may return a `ToolOutput`, a string, or verl's `(text, step_reward, metrics)` tuple.
 Failures are data: a tool that raises or runs past its timeout yields an error result (blamed on the
@@ -15,9 +16,11 @@ learn to call tools correctly). Either way the error text can be returned to the
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -48,11 +51,17 @@ async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+# Sync tool calls get their own, wide thread pool: asyncio's default one has cpu_count + 4 threads, and with
+# hundreds of trajectories in flight a call would wait there for a thread while its timeout runs.
+_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="turnrl-tool")
+
+
 async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run a sync or async callable without blocking the event loop."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    return await maybe_await(await asyncio.to_thread(fn, *args, **kwargs))
+    loop = asyncio.get_running_loop()
+    return await maybe_await(await loop.run_in_executor(_THREADS, functools.partial(fn, *args, **kwargs)))
 
 
 def _param_docs(doc: str) -> dict[str, str]:
@@ -124,10 +133,13 @@ def check_arguments(schema: dict[str, Any], args: dict[str, Any]) -> str | None:
     missing = [k for k in params.get("required", []) if k not in args]
     if missing:
         return f"missing required argument(s): {', '.join(missing)}"
-    if props and params.get("additionalProperties", False) is False:
+    # A schema that lists its properties (even none, as for a function without parameters) takes no others,
+    # unless it says so: otherwise an extra argument would crash the tool and be blamed on the environment.
+    if "properties" in params and params.get("additionalProperties", False) is False:
         unknown = [k for k in args if k not in props]
         if unknown:
-            return f"unknown argument(s): {', '.join(unknown)}; expected {', '.join(props)}"
+            expected = ", ".join(props) or "no arguments"
+            return f"unknown argument(s): {', '.join(unknown)}; expected {expected}"
     checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
               "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
               "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
@@ -148,6 +160,8 @@ def _normalize(output: Any) -> ToolOutput:
         metrics = output[2] if len(output) > 2 else {}
         if isinstance(text, dict):  # verl's ToolResponse-like {"text": ...}
             text = text.get("text", "")
+        elif not isinstance(text, str) and hasattr(text, "text"):  # verl's ToolResponse object
+            text = text.text or ""
         return ToolOutput(str(text), None if reward is None else float(reward), dict(metrics or {}))
     if isinstance(output, str):
         return ToolOutput(output)
@@ -176,10 +190,17 @@ class ToolSession:
 
     async def create(self) -> None:
         for name, tool in self.tools.items():
+            create = getattr(tool, "create", None)  # the lifecycle methods are optional
+            if create is None:
+                if self.row_kwargs.get(name):
+                    self.create_errors[name] = "the row gives create kwargs but the tool has no create()"
+                continue
             try:
-                await asyncio.wait_for(call(tool.create, **self.row_kwargs.get(name, {})), self.timeout_s)
+                await asyncio.wait_for(call(create, **self.row_kwargs.get(name, {})), self.timeout_s)
+            except asyncio.TimeoutError:
+                self.create_errors[name] = f"create() timed out after {self.timeout_s:g}s"
             except Exception as exc:  # noqa: BLE001 - recorded, the tool then answers with the error
-                self.create_errors[name] = f"{type(exc).__name__}: {exc}" or "timed out"
+                self.create_errors[name] = f"{type(exc).__name__}: {exc}"
 
     async def execute_all(self, calls: list[ToolCall]) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._execute(c) for c in calls)))
@@ -208,27 +229,38 @@ class ToolSession:
                                   seconds=time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001 - a crashing tool is data, not a crash
                 msg = f"tool '{tc.name}' raised {type(exc).__name__}: {exc}"
-                return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment",
+                text, truncated = await self._truncate(f"Error: {msg}")  # an exception's text can be huge too
+                return ToolResult(tc.name, text, tc.id, error=msg, blame="environment", truncated=truncated,
                                   seconds=time.perf_counter() - start)
-        text, truncated = self.truncate(out.text)
+        text, truncated = await self._truncate(out.text)
         return ToolResult(tc.name, text, tc.id, reward=out.reward, metrics=out.metrics, truncated=truncated,
                           seconds=time.perf_counter() - start)
+
+    async def _truncate(self, text: str) -> tuple[str, bool]:
+        if len(text) < 10_000:
+            return self.truncate(text)
+        # Tokenizing a megabyte takes most of a second: off the event loop, so that the other trajectories
+        # (and their tools' timeouts) are not held up.
+        return await call(self.truncate, text)
 
     async def rewards(self) -> tuple[dict[str, float], list[str]]:
         out, errors = {}, []
         for name, tool in self.tools.items():
+            if getattr(tool, "reward", None) is None:
+                continue
             try:
                 value = await asyncio.wait_for(call(tool.reward), self.timeout_s)
+                if value is not None:
+                    out[name] = float(value)  # inside the try: a reward that is not a number is an error too
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"{name}.reward() failed: {type(exc).__name__}: {exc}")
-                continue
-            if value is not None:
-                out[name] = float(value)
         return out, errors
 
     async def release(self) -> list[str]:
         errors = []
         for name, tool in self.tools.items():
+            if getattr(tool, "release", None) is None:
+                continue
             try:
                 await asyncio.wait_for(call(tool.release), self.timeout_s)
             except Exception as exc:  # noqa: BLE001

@@ -1,1 +1,1 @@
-"""Observability: progress, console tables, metrics sinks."""
+"""Observability: metrics sinks and progress, plots of the metrics, and the trajectory viewer (viewer/)."""

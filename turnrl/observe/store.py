@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,7 +18,20 @@ def write_trajectories(path: Path, trajectories: list[Trajectory], append: bool 
         for traj in trajectories:
             record = traj.to_dict()
             record.update(fields)
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.write(json.dumps(record, ensure_ascii=False, default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> Any:
+    """Values user tools and rewards put in metrics (numpy/torch scalars and arrays, Fractions, sets)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return str(value)
 
 
 def read_trajectories(path: Path) -> Iterator[tuple[Trajectory, dict[str, Any]]]:

@@ -5,17 +5,20 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-HASH = re.compile(r"####\s*([-+]?[\d,]*\.?\d+)")
-BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-NUMBER = re.compile(r"[-+]?\d[\d,]*\.?\d*|[-+]?\.\d+")
+HASH = re.compile(r"####\s*\$?\s*([-+]?[\d,]*\.?\d+(?:\s*/\s*\d+)?)")
+BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")   # one level of nested braces: \boxed{\frac{3}{4}}
+FRAC = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
+NUMBER = re.compile(r"[-+]?\d[\d,]*\.?\d*(?:/\d+)?|[-+]?\.\d+")
 
 
 def _clean(num: str) -> str:
-    return num.replace(",", "").strip().rstrip(".")
+    num = FRAC.sub(r"\1/\2", num)
+    return num.replace(",", "").replace("$", "").replace(" ", "").strip().rstrip(".")
 
 
 def extract_answer(text: str, strict: bool = False) -> str | None:
-    """`#### N`, then `\\boxed{N}`, then (unless `strict`) the last number in the text."""
+    """`#### N`, then `\\boxed{N}`, then (unless `strict`) the last number in the text. Numbers may have
+    thousands commas, a sign, decimals or a fraction (`3/4`, `\\frac{3}{4}`)."""
     for pattern in (HASH, BOXED):
         found = pattern.findall(text)
         if found:

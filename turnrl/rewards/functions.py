@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from turnrl.config.loader import ConfigError
 from turnrl.ledger import Trajectory
 from turnrl.rewards.answers import extract_answer, same_number
 
@@ -63,6 +66,9 @@ class RewardFunction:
             extra.setdefault("index", traj.info.get("index"))
             args = dict(data_source=traj.info.get("data_source", ""), solution_str=final_text(traj),
                         ground_truth=traj.info.get("ground_truth"), extra_info=extra)
+            params = inspect.signature(self.fn).parameters
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):  # e.g. f(solution_str, ground_truth)
+                args = {k: v for k, v in args.items() if k in params}
             result = self.fn(**args)
         else:
             result = self.fn(traj)
@@ -71,25 +77,30 @@ class RewardFunction:
 
 def load_reward_function(name: str, weight: float = 1.0) -> RewardFunction:
     from turnrl.env.loading import import_object
+    if name not in BUILTIN and ":" not in name and "." not in name:
+        raise ConfigError(f"unknown reward function '{name}': built-ins are {', '.join(BUILTIN)}; "
+                         "or give path.py:function or module:function")
     fn = BUILTIN.get(name) or import_object(name)
     if not callable(fn):
-        raise ValueError(f"reward function '{name}' is not callable")
+        raise ConfigError(f"reward function '{name}' is not callable")
     params = inspect.signature(fn).parameters
     return RewardFunction(name, fn, weight, verl_style="solution_str" in params)
 
 
 def _as_score(name: str, value: Any) -> tuple[float, dict[str, float]]:
+    extras: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
             raise TypeError(f"reward function '{name}' returned a dict without 'score': {sorted(value)}")
-        extras = {f"{name}/{k}": float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float))}
-        return float(value["score"]), extras
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value), {}
-    if isinstance(value, bool):
-        return float(value), {}
-    raise TypeError(f"reward function '{name}' must return a number or a dict with 'score', "
-                    f"got {type(value).__name__}")
+        extras = {f"{name}/{k}": float(v) for k, v in value.items() if k != "score" and isinstance(v, numbers.Real)}
+        value = value["score"]
+    if not isinstance(value, numbers.Real):  # numbers.Real: also numpy scalars and bools
+        raise TypeError(f"reward function '{name}' must return a number or a dict with 'score', "
+                        f"got {type(value).__name__}")
+    score = float(value)
+    if not math.isfinite(score):  # a NaN would poison the whole batch's advantages
+        raise ValueError(f"reward function '{name}' returned {score}")
+    return score, extras
 
 
 async def score_trajectory(traj: Trajectory, functions: list[RewardFunction], use_tool_rewards: bool = True,

@@ -18,7 +18,11 @@ from turnrl.rollout.loop import AgentLoop, Environment, Limits
 
 
 def build_environment(cfg: RolloutConfig) -> Environment:
-    """Configured tools and interactions by name; built-ins are available under their own names."""
+    """Configured tools and interactions by name; built-ins are available under their own names.
+
+    A row that names no tools gets the configured ones, not the built-ins: those are only there for rows
+    (and built-in tasks) that ask for them by name.
+    """
     specs = list(cfg.tools) + (read_tool_config(cfg.tool_config_path) if cfg.tool_config_path else [])
     tools: dict[str, Any] = {}
     for spec in specs:
@@ -26,6 +30,7 @@ def build_environment(cfg: RolloutConfig) -> Environment:
         if name in tools:
             raise ValueError(f"two tools are named '{name}'; tool names must be unique")
         tools[name] = make
+    configured = list(tools)
     for name in BUILTIN_TOOLS:
         if name not in tools:
             tools[name] = _lazy(lambda n=name: tool_factory(ToolSpec(class_name=n))[1])
@@ -39,7 +44,7 @@ def build_environment(cfg: RolloutConfig) -> Environment:
     for name in BUILTIN_INTERACTIONS:
         interactions.setdefault(name, _lazy(lambda n=name: interaction_factory(InteractionSpec(n, n))))
     return Environment(tools, interactions, cfg.tool_timeout_s, cfg.max_parallel_calls, cfg.max_tool_response_tokens,
-                       cfg.truncate_side, cfg.tool_errors_to_model, cfg.interaction_timeout_s)
+                       cfg.truncate_side, cfg.tool_errors_to_model, cfg.interaction_timeout_s, configured)
 
 
 def _lazy(make_factory: Any) -> Any:

@@ -8,6 +8,7 @@ Single-turn is the case with neither tools nor an interaction. Limits are checke
 `max_assistant_turns`, `max_user_turns` (tool and user turns together, as in verl), a total response-token
 budget (policy and environment tokens after the prompt), and the context length; a turn's `max_tokens`
 never exceeds the budget or the context left, so no turn overshoots. Every stop has an explicit reason.
+An interaction sees every assistant answer, the last one too, so its reward can depend on the final answer.
 
 Failures never escape: engine errors, tool crashes, interaction crashes and template mismatches are
 recorded on the trajectory (environment failures mask it out of the loss) and the loop ends cleanly, so the
@@ -52,6 +53,7 @@ class Environment:
     truncate_side: str = "middle"
     tool_errors_to_model: bool = True
     interaction_timeout_s: float = 60.0
+    default_tools: list[str] | None = None   # tools of a row that names none; None: every factory
 
 
 def request_seed(base: int, uid: str, sample: int, turn: int) -> int:
@@ -59,17 +61,21 @@ def request_seed(base: int, uid: str, sample: int, turn: int) -> int:
 
 
 def truncate_tokens(template: ChatTemplate, text: str, limit: int, side: str) -> tuple[str, bool]:
+    """Cut `text` to about `limit` tokens, the marker that says so included; `side` is the part dropped."""
+    if side not in ("head", "tail", "middle"):
+        raise ValueError(f"truncate side must be head, tail or middle, got {side!r}")
     ids = template.encode(text)
     if len(ids) <= limit:
         return text, False
-    dropped = len(ids) - limit
-    marker = f"...[{dropped} tokens truncated]..."
+    marker_len = len(template.encode(f"...[{len(ids)} tokens truncated]..."))
+    keep = max(limit - marker_len, 0)
+    marker = f"...[{len(ids) - keep} tokens truncated]..."
     if side == "head":  # keep the end
-        return marker + template.decode(ids[-limit:]), True
+        return marker + (template.decode(ids[-keep:]) if keep else ""), True
     if side == "tail":  # keep the start
-        return template.decode(ids[:limit]) + marker, True
-    half = limit // 2
-    return template.decode(ids[:half]) + marker + template.decode(ids[len(ids) - (limit - half):]), True
+        return template.decode(ids[:keep]) + marker, True
+    half = keep // 2
+    return template.decode(ids[:half]) + marker + template.decode(ids[len(ids) - (keep - half):]), True
 
 
 class AgentLoop:
@@ -87,7 +93,10 @@ class AgentLoop:
         self.policy_version = policy_version
 
     def _tools_for(self, task: Task) -> dict[str, Any]:
-        names = list(self.env.tool_factories) if task.tools is None else task.tools
+        if task.tools is not None:
+            names = task.tools
+        else:
+            names = list(self.env.tool_factories) if self.env.default_tools is None else self.env.default_tools
         missing = [n for n in names if n not in self.env.tool_factories]
         if missing:
             raise ValueError(f"task {task.uid} asks for unknown tool(s) {missing}; "
@@ -151,7 +160,8 @@ class AgentLoop:
         env_turns = 0
         turn_index = 0
         while True:
-            used = sum(len(s) for s in traj.segments) - prompt_len
+            # After a split the current segment re-renders the whole conversation: it alone holds what was used.
+            used = len(session.context_ids) - prompt_len
             budget = limits.max_response_tokens - used
             context = limits.max_context_tokens - len(session.context_ids)
             if budget <= 0 or context <= 0:
@@ -174,27 +184,32 @@ class AgentLoop:
                 traj.termination = "error"
                 traj.add_error("engine", "request aborted", turn_index)
                 return
-            if completion.finish_reason == "length" and completion.token_ids and max_tokens < self.sampling.max_tokens:
-                traj.termination = "token_budget" if max_tokens == budget else "context_limit"
-                return
+            out_of_room = None  # the turn used up the budget or the context: nothing more can follow it
+            if completion.finish_reason == "length" and max_tokens in (budget, context):
+                out_of_room = "token_budget" if max_tokens == budget else "context_limit"
             calls = self.parser.parse(turn.text)
             if not calls and interaction is None:
-                traj.termination = "eos" if completion.finish_reason == "stop" else "token_budget"
+                traj.termination = out_of_room or ("eos" if completion.finish_reason == "stop" else "token_budget")
                 return
-            if turn_index + 1 >= limits.max_assistant_turns:
-                traj.termination = "max_assistant_turns"
-                return
-            if env_turns >= limits.max_user_turns:
-                traj.termination = "max_user_turns"
-                return
+            stop = out_of_room
+            if stop is None and turn_index + 1 >= limits.max_assistant_turns:
+                stop = "max_assistant_turns"
+            if stop is None and env_turns >= limits.max_user_turns:
+                stop = "max_user_turns"
             if calls:
+                if stop:
+                    traj.termination = stop
+                    return
                 new_messages = await self._run_tools(calls, turn, traj, tools)
-                if new_messages is None:
-                    return
             else:
+                # The interaction judges every answer, the last one too (its reward may depend on it); its
+                # reply is appended only when the conversation goes on.
                 new_messages = await self._ask_user(interaction, turn, traj)
-                if new_messages is None:
+                if new_messages is not None and stop:
+                    traj.termination = stop
                     return
+            if new_messages is None:
+                return
             env_turns += 1
             turn_index += 1
             session.add_environment(new_messages, turn_index - 1)

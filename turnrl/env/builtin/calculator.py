@@ -14,14 +14,24 @@ OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast
 UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64
 MAX_LENGTH = 200
+MAX_BITS = 4096            # numerators and denominators up to ~1233 digits
+
+
+def _bits(value: Fraction) -> int:
+    return max(value.numerator.bit_length(), value.denominator.bit_length())
 
 
 def evaluate(expression: str) -> Fraction:
-    """Exact rational arithmetic on + - * / // % ** and parentheses; anything else is a ValueError."""
+    """Exact rational arithmetic on + - * / // % ** and parentheses; anything else is a ValueError.
+
+    Decimal literals are read exactly (0.1 is 1/10); exponents and results are bounded so that no input of
+    200 characters can keep the tool busy.
+    """
     if len(expression) > MAX_LENGTH:
         raise ValueError(f"expression longer than {MAX_LENGTH} characters")
+    source = expression.replace("^", "**").replace("×", "*").replace("÷", "/")
     try:
-        tree = ast.parse(expression.replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+        tree = ast.parse(source, mode="eval")
     except SyntaxError:
         raise ValueError(f"cannot parse {expression!r}") from None
 
@@ -29,14 +39,25 @@ def evaluate(expression: str) -> Fraction:
         if isinstance(node, ast.Expression):
             return walk(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            if isinstance(node.value, float):  # from the literal's text: 0.1 is 1/10, not the nearest binary float
+                literal = (ast.get_source_segment(source, node) or repr(node.value)).replace("_", "")
+                return Fraction(literal)
             return Fraction(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in OPS:
             left, right = walk(node.left), walk(node.right)
-            if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > MAX_EXPONENT):
-                raise ValueError("exponents must be integers up to 64")
+            if isinstance(node.op, ast.Pow):
+                if right.denominator != 1 or abs(right) > MAX_EXPONENT:
+                    raise ValueError("exponents must be integers up to 64")
+                if _bits(left) * abs(right) > MAX_BITS:  # (((10**64)**64)**64)**64 would run for minutes
+                    raise ValueError("result too large")
+                if left == 0 and right < 0:
+                    raise ValueError("division by zero")
             if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
                 raise ValueError("division by zero")
-            return Fraction(OPS[type(node.op)](left, right))
+            result = Fraction(OPS[type(node.op)](left, right))
+            if _bits(result) > MAX_BITS:
+                raise ValueError("result too large")
+            return result
         if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY:
             return UNARY[type(node.op)](walk(node.operand))
         raise ValueError(f"unsupported element {type(node).__name__}: only numbers and + - * / // % ** ( )")

@@ -19,10 +19,13 @@ class MathFeedback:
         self.attempts = 0
         self.best = 0.0
 
-    def start(self, ground_truth: Any = None, **kwargs: Any) -> None:
+    def start(self, ground_truth: Any = None, max_attempts: int | None = None, **kwargs: Any) -> None:
+        """`max_attempts` from the row overrides the configured one."""
         self.truth = as_number(None if ground_truth is None else str(ground_truth))
         if self.truth is None:
             raise ValueError(f"math_feedback needs a numeric ground_truth, got {ground_truth!r}")
+        if max_attempts is not None:
+            self.max_attempts = int(max_attempts)
         self.attempts, self.best = 0, 0.0
 
     def _score(self, answer: str | None) -> float:

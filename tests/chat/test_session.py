@@ -1,0 +1,224 @@
+import pytest
+
+from turnrl.chat.parity import WEATHER
+from turnrl.chat.session import ChatMismatchError, ChatSession
+from turnrl.ledger import Source, Trajectory
+
+IM_END, NL = 2, 198
+
+
+def new_session(template, messages, tools=(), on_mismatch="error"):
+    traj = Trajectory("g", 0, [])
+    return ChatSession(template, messages, list(tools), traj, on_mismatch), traj
+
+
+def policy(session, text, turn, stop=True):
+    """Append `text` as if the policy sampled its canonical tokens: with the stop token, or cut by length."""
+    t = session.template
+    ids = t.encode(text) + ([t.stop_token_ids[0]] if stop else [])
+    logprobs = [-0.1 * (k + 1) for k in range(len(ids))]
+    return session.add_assistant(ids, logprobs, "stop" if stop else "length", turn), ids, logprobs
+
+
+def tokens_by_source(template, seg, start, source):
+    return template.decode([t for t, s in zip(seg.token_ids[start:], seg.sources[start:]) if s == source])
+
+
+# ------------------------------------------------------------------------------------------- glue tokens
+
+
+def test_prompt_is_the_rendered_conversation_with_generation_prompt(smol_template):
+    session, traj = new_session(smol_template, [{"role": "user", "content": "Hi"}])
+    text = smol_template.render(traj.messages, add_generation_prompt=True)
+    assert traj.segment.token_ids == smol_template.encode(text)
+    assert set(traj.segment.sources) == {Source.PROMPT}
+    assert session.context_ids is traj.segment.token_ids
+
+
+def test_newline_after_im_end_is_a_template_token(smol_template):
+    session, traj = new_session(smol_template, [{"role": "user", "content": "Hi"}])
+    turn, ids, logprobs = policy(session, "Hello! How can I help?", 0)
+    assert ids[-1] == IM_END
+    seg = traj.segment
+    assert seg.token_ids[turn.start:turn.end] == ids and seg.logprobs[turn.start:turn.end] == logprobs
+    assert turn.text == "Hello! How can I help?"        # the stop token is not part of the message
+    assert traj.messages[-1] == {"role": "assistant", "content": "Hello! How can I help?"}
+    added = session.add_environment([{"role": "user", "content": "Add 2 and 3."}], 0)
+    after = turn.end
+    assert len(seg) - after == added
+    assert seg.token_ids[after] == NL and seg.sources[after] == Source.TEMPLATE   # the glue the policy skipped
+    assert tokens_by_source(smol_template, seg, after, Source.USER) == "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n"
+    assert tokens_by_source(smol_template, seg, after, Source.TEMPLATE) == "\n<|im_start|>assistant\n"
+    n_user = seg.sources.count(Source.USER)
+    assert seg.sources[after:] == [Source.TEMPLATE] + [Source.USER] * n_user + [Source.TEMPLATE] * (added - 1 - n_user)
+    assert smol_template.decode(seg.token_ids) == smol_template.render(traj.messages, add_generation_prompt=True)
+    traj.check()
+
+
+def test_length_truncated_turn_is_closed_by_template_tokens(smol_template):
+    session, traj = new_session(smol_template, [{"role": "user", "content": "Count to ten."}])
+    turn, ids, _ = policy(session, "One, two, three, fo", 0, stop=False)
+    assert turn.finish_reason == "length" and turn.text == "One, two, three, fo"
+    session.add_environment([{"role": "user", "content": "Go on."}], 0)
+    seg = traj.segment
+    assert seg.token_ids[turn.end:turn.end + 2] == [IM_END, NL]
+    assert seg.sources[turn.end:turn.end + 2] == [Source.TEMPLATE, Source.TEMPLATE]
+    assert seg.loss_mask[turn.end:turn.end + 2] == [0, 0]      # <|im_end|> the policy never wrote is not trained
+    turn2, _, _ = policy(session, "four, fi", 1, stop=False)
+    assert session.finish() == "exact"
+    assert seg.token_ids[turn2.end:] == [IM_END, NL] and seg.sources[turn2.end:] == [Source.TEMPLATE] * 2
+    traj.check()
+
+
+def test_turn_cut_inside_a_character_keeps_its_tokens(smol_template):
+    t = smol_template
+    session, traj = new_session(t, [{"role": "user", "content": "Draw a cat."}])
+    cut = t.encode("A cat 🐈")[:-1]                   # the emoji's last byte was never sampled
+    turn = session.add_assistant(cut, [-1.0] * len(cut), "length", 0)
+    assert turn.text == "A cat \ufffd"
+    session.add_environment([{"role": "user", "content": "More."}], 0)   # no mismatch: the text agrees
+    policy(session, "Meow.", 1)
+    assert session.finish() == "token_drift"
+    assert traj.segment.token_ids[turn.start:turn.end] == cut
+    assert traj.segment.token_ids[turn.end:turn.end + 2] == [IM_END, NL]
+
+
+def test_stop_on_eos_finish_adds_closing_newline(smol_template):
+    session, traj = new_session(smol_template, [{"role": "user", "content": "Hi"}])
+    turn, _, _ = policy(session, "Hello.", 0)
+    assert session.finish() == "exact"
+    assert traj.segment.token_ids[turn.end:] == [NL]
+    assert traj.segment.sources[turn.end:] == [Source.TEMPLATE]
+    assert session.finish() == "exact" and traj.segment.token_ids[turn.end:] == [NL]   # idempotent
+
+
+# ------------------------------------------------------------------------------------------- tools and sources
+
+
+def test_multi_turn_tool_conversation_matches_a_full_render(smol_template):
+    t = smol_template
+    session, traj = new_session(t, [{"role": "system", "content": "Use tools."},
+                                    {"role": "user", "content": "Weather in Oslo and Lima?"}], [WEATHER])
+    assert traj.tools == [WEATHER]
+    system = traj.messages[0]["content"]
+    assert system.startswith("Use tools.\n\n# Tools") and '"name": "get_weather"' in system
+    calls = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>')
+    t0, _, _ = policy(session, calls, 0)
+    start = len(traj.segment)
+    session.add_environment([t.tool_message("get_weather", '{"temp_c": -3}', "call_0"),
+                             t.tool_message("get_weather", '{"temp_c": 21}', "call_1")], 0)
+    seg = traj.segment
+    assert tokens_by_source(t, seg, start, Source.TOOL) == (
+        '<|im_start|>tool\n{"temp_c": -3}<|im_end|>\n<|im_start|>tool\n{"temp_c": 21}<|im_end|>\n')
+    t1, _, _ = policy(session, "Oslo: -3 °C. Lima: 21 °C. Anything else?", 1)
+    start = len(seg)
+    session.add_environment([{"role": "user", "content": "No, thanks!"}], 1)
+    assert tokens_by_source(t, seg, start, Source.USER) == "<|im_start|>user\nNo, thanks!<|im_end|>\n"
+    assert tokens_by_source(t, seg, start, Source.TOOL) == ""
+    t2, _, _ = policy(session, "Bye!", 2)
+    assert session.finish() == "exact" and traj.parity == "exact"
+    assert seg.token_ids == t.encode(t.render(traj.messages))    # the ledger is a full re-render, token for token
+    assert [turn.index for turn in traj.turns] == [0, 1, 2]
+    policy_ids = [i for i, s in enumerate(seg.sources) if s == Source.POLICY]
+    assert policy_ids == [*range(t0.start, t0.end), *range(t1.start, t1.end), *range(t2.start, t2.end)]
+    assert set(seg.sources) == {Source.PROMPT, Source.POLICY, Source.TOOL, Source.USER, Source.TEMPLATE}
+    traj.check()
+
+
+def test_policy_tokens_are_never_retokenized(smol_template):
+    t = smol_template
+    session, traj = new_session(t, [{"role": "user", "content": "Capital of France?"}])
+    canonical = t.encode("It is Paris.")
+    letters = [t.tokenizer.convert_tokens_to_ids(c) for c in "aris"]   # " Paris" spelled out letter by letter
+    spelled = t.encode("It is") + t.encode(" P") + letters + t.encode(".")
+    assert t.decode(spelled) == "It is Paris." and spelled != canonical and len(spelled) > len(canonical)
+    ids = spelled + [IM_END]
+    turn = session.add_assistant(ids, [-0.5] * len(ids), "stop", 0)
+    session.add_environment([{"role": "user", "content": "And of Spain?"}], 0)
+    policy(session, "Madrid.", 1)
+    assert traj.segment.token_ids[turn.start:turn.end] == ids   # exactly what was sampled
+    assert traj.messages[-3]["content"] == "It is Paris."
+    assert session.finish() == "token_drift"                    # same text, other tokens: not a mismatch
+    assert traj.parity == "token_drift"
+    assert t.decode(traj.segment.token_ids) == t.render(traj.messages)
+    traj.check()
+
+
+# ------------------------------------------------------------------------------------------- mismatches
+
+
+THOUGHT = "<think>\nEasy: 6 * 7 = 42.\n</think>\n\n42"
+USER2 = {"role": "user", "content": "And 6 * 8?"}
+
+
+def thought_then_question(template, on_mismatch):
+    """A turn with reasoning, then a new user message: the template now strips that reasoning."""
+    session, traj = new_session(template, [{"role": "user", "content": "6 * 7?"}], on_mismatch=on_mismatch)
+    first, _, _ = policy(session, THOUGHT, 0)
+    return session, traj, first
+
+
+def test_stripped_reasoning_is_an_error_by_default(strip_thinking):
+    session, traj, _ = thought_then_question(strip_thinking, "error")
+    with pytest.raises(ChatMismatchError, match="not append-only at turn 0.*past turns change.*on_mismatch"):
+        session.add_environment([USER2], 0)
+    assert traj.metrics["chat_mismatches"] == 1
+
+
+def test_stripped_reasoning_splits_into_a_fresh_sample(strip_thinking):
+    t = strip_thinking
+    session, traj, first = thought_then_question(t, "split")
+    session.add_environment([USER2], 0)
+    assert len(traj.segments) == 2 and traj.parity == "split"
+    history = [{"role": "user", "content": "6 * 7?"}, {"role": "assistant", "content": THOUGHT}, USER2]
+    assert traj.messages == history
+    assert traj.segments[1].token_ids == t.encode(t.render(history, add_generation_prompt=True))
+    assert set(traj.segments[1].sources) == {Source.PROMPT}
+    assert "<think>" not in t.decode(traj.segments[1].token_ids)   # the new sample sees the stripped history
+    assert traj.segments[0].token_ids[first.start:first.end] == t.encode(THOUGHT) + [IM_END]
+    second, _, _ = policy(session, "<think>\n42 + 6\n</think>\n\n48", 1)
+    assert second.segment == 1 and first.segment == 0
+    assert session.finish() == "exact" and traj.parity == "split"
+    traj.check()
+
+
+def test_stripped_reasoning_with_warn_keeps_what_the_policy_saw(strip_thinking):
+    t = strip_thinking
+    session, traj, _ = thought_then_question(t, "warn")
+    session.add_environment([USER2], 0)
+    policy(session, "48", 1)
+    assert len(traj.segments) == 1 and traj.metrics["chat_mismatches"] == 1
+    assert session.finish() == "mismatch" and traj.parity == "mismatch"
+    assert "parity_detail" in traj.metrics
+    assert t.decode(traj.segment.token_ids) == (
+        "<|im_start|>user\n6 * 7?<|im_end|>\n<|im_start|>assistant\n" + THOUGHT + "<|im_end|>\n"
+        "<|im_start|>user\nAnd 6 * 8?<|im_end|>\n<|im_start|>assistant\n48<|im_end|>\n")
+    traj.check()
+
+
+def test_trimmed_template_agrees_when_policy_text_is_trimmed(llama3):
+    t = llama3
+    session, traj = new_session(t, [{"role": "user", "content": "Hi"}])
+    policy(session, "Hello there.", 0)
+    start = len(traj.segment)
+    session.add_environment([{"role": "user", "content": " Tell me a joke. "}], 0)
+    assert tokens_by_source(t, traj.segment, start, Source.USER) == (
+        "<|start_header_id|>user<|end_header_id|>\n\nTell me a joke.<|eot_id|>")
+    assert tokens_by_source(t, traj.segment, start, Source.TEMPLATE) == (
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    policy(session, "No.", 1)
+    assert session.finish() == "token_drift"   # only at the "\n\n" ending each prompt: see test_parity
+    assert t.decode(traj.segment.token_ids) == t.render(traj.messages)
+
+
+def test_untrimmed_policy_text_is_a_mismatch(llama3):
+    session, traj = new_session(llama3, [{"role": "user", "content": "Hi"}])
+    policy(session, "Hello there.\n", 0)             # the template renders it trimmed: the ledger differs
+    with pytest.raises(ChatMismatchError, match="not append-only"):
+        session.add_environment([{"role": "user", "content": "Joke?"}], 0)
+
+
+def test_bad_on_mismatch():
+    with pytest.raises(ValueError, match="on_mismatch must be error, warn or split, got 'ignore'"):
+        ChatSession(None, [], [], Trajectory("g", 0, []), on_mismatch="ignore")

@@ -1,0 +1,1 @@
+"""Benchmarks. Each prints a table and writes JSON (`turnrl bench ...`)."""

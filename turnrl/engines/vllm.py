@@ -1,0 +1,515 @@
+"""The vLLM engine: vLLM's V1 engine core in this process, behind the token-ids-in, token-ids-out protocol.
+
+Why not `AsyncLLM`: in vLLM 0.32, `AsyncLLM` always starts its engine core in a separate process
+(`EngineCoreClient.make_async_mp_client`; `make_client` raises NotImplementedError for asyncio without
+multiprocessing), and tensors do not survive that process boundary, so a weight update would need a disk or
+NCCL round trip. The in-process form is `LLMEngine` with `VLLM_ENABLE_V1_MULTIPROCESSING=0` and the `uni`
+executor (an `InprocClient`). One dedicated thread builds it and steps it; coroutines talk to that thread
+through a queue, and every request is added as soon as it arrives, between two engine steps, so vLLM's
+scheduler batches whatever is in flight (continuous batching, no rounds). Model compute releases the GIL,
+so tools and simulated users keep running on the event loop while the engine steps.
+
+- Prompts go in as token ids (`vllm.inputs.tokens_input`, the engine-level form of a `TokensPrompt`, which
+  0.32 deprecates as an engine input); the tokenizer is never loaded (`skip_tokenizer_init`), outputs are
+  not detokenized. Generation stops only on `Sampling.stop_token_ids` (`ignore_eos=True` turns off vLLM's
+  own EOS check, as in the hf engine); the stop token is kept in the returned ids.
+- Logprobs: `logprobs_mode="processed_logprobs"` is log softmax(logits / temperature), taken after the
+  temperature and before sampling; greedy rows use temperature 1. That is the protocol's quantity exactly
+  when no top-p/top-k truncation is applied; with truncation vLLM returns the renormalized truncated
+  distribution instead, so such requests are refused (use the hf engine or top_p=1, top_k=0).
+  (`raw_logprobs`, vLLM's default, ignores the temperature.)
+- `update_weights` reloads tensors in place through the worker's `reload_weights` (layerwise: every vLLM
+  layer that receives a tensor is rebuilt, re-packed for the CPU kernels, and copied back into the same
+  storage), then resets the prefix cache with running requests preempted, so no KV computed with the old
+  weights is reused. vLLM fuses q/k/v and gate/up into one layer and rebuilds a layer from what it was
+  sent: a partial update (LoRA merged into a few modules) is completed with the other members' checkpoint
+  values, and refused when one of those members was changed by an earlier update.
+- `update_lora` sends only the adapter. vLLM's public LoRA API (`LoRARequest`) takes a directory, so the
+  adapter is written as a peft directory to RAM-backed /dev/shm (a few MB, milliseconds) under a fresh
+  `lora_int_id` per version; later requests use it, the base weights stay as loaded.
+- `sleep(level)` / `wake_up()` free and restore GPU memory between rollouts (vLLM's sleep mode: level 1
+  offloads weights to host memory and drops the KV cache, level 2 drops the weights too, so an
+  `update_weights` must follow the wake-up). vLLM's CPU build has no sleep mode; there they raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from turnrl.engines.base import Completion, EngineError, Sampling
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def import_vllm() -> Any:
+    """Import vllm for in-process use: the env var must be set before vllm reads it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
+    return vllm
+
+
+@dataclass
+class _Request:
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    prompt: list[int]
+    params: Any
+    lora: Any = None
+
+
+@dataclass
+class _Adapter:
+    request: Any          # vllm LoRARequest
+    directory: Path
+    version: int
+
+
+@dataclass
+class _Checkpoint:
+    """Where each checkpoint tensor lives, to complete partial updates of fused layers."""
+    files: dict[str, Path] = field(default_factory=dict)   # name -> safetensors file
+
+    @classmethod
+    def scan(cls, model_dir: Path) -> "_Checkpoint":
+        from safetensors import safe_open
+        files = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                files.update({name: path for name in f.keys()})
+        return cls(files)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+        out = {}
+        for name in names:
+            with safe_open(str(self.files[name]), framework="pt") as f:
+                out[name] = f.get_tensor(name)
+        return out
+
+
+class VLLMEngine:
+    """vLLM in this process; `generate` is safe to call from many coroutines of one event loop at once."""
+
+    def __init__(self, model_path: str, dtype: str = "auto", max_model_len: int = 4096,
+                 gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, enforce_eager: bool = True,
+                 enable_prefix_caching: bool = True, cpu_kv_cache_gb: float = 2.0, seed: int = 0,
+                 max_lora_rank: int = 0, enable_sleep_mode: bool = False):
+        if dtype not in DTYPES:
+            raise ValueError(f"vllm engine dtype must be one of {DTYPES}, got {dtype!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError("the in-process vllm engine runs one worker (tensor_parallel_size=1): with more, "
+                             "vLLM's workers live in other processes and update_weights cannot hand them tensors")
+        if max_model_len <= 0 or cpu_kv_cache_gb <= 0 or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError("vllm engine needs max_model_len > 0, cpu_kv_cache_gb > 0 and "
+                             "0 < gpu_memory_utilization <= 1")
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override engine.cpu_kv_cache_gb; unset it "
+                             "and set engine.cpu_kv_cache_gb instead")
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+        self.on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(f"vLLM sleep mode needs a CUDA/ROCm GPU; this vLLM runs on "
+                             f"{current_platform.device_type}: set engine.enable_sleep_mode=false")
+        self.model_path = Path(model_path)
+        self.seed = seed
+        self.version = 0
+        self.vllm_version = vllm.__version__
+        args: dict[str, Any] = dict(
+            model=str(model_path), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
+            generation_config="vllm",      # no sampling defaults from the model's generation_config
+            disable_log_stats=True, enable_sleep_mode=enable_sleep_mode)
+        if self.on_cpu:
+            args["kv_cache_memory_bytes"] = int(cpu_kv_cache_gb * (1 << 30))
+            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill
+            # is split over two steps: it rewinds the request's generator, which CPU generators cannot do.
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+        else:
+            args["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_lora_rank:
+            args.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2)
+        self.lora_enabled = bool(max_lora_rank)
+        self.sleep_enabled = enable_sleep_mode
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
+                      "aborted": 0, "weight_updates": 0, "lora_updates": 0}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._adapters: list[_Adapter] = []
+        self._lora_ids = itertools.count(1)
+        self._changed: set[str] = set()     # checkpoint names an update has overwritten
+        self._closed = False
+        self._dead: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(args,), name="turnrl-vllm-engine", daemon=True)
+        # In-process, vLLM seeds the global random, numpy and torch generators with its seed; the caller's
+        # (the trainer's) streams must not depend on whether an engine was built.
+        caller_threads, rng = torch.get_num_threads(), _global_rng_state()
+        self._thread.start()
+        self._ready.wait()
+        _set_global_rng_state(rng)
+        if torch.get_num_threads() != caller_threads:
+            torch.set_num_threads(caller_threads)
+        if self._dead is not None:
+            raise EngineError(f"vllm engine failed to start: {type(self._dead).__name__}: {self._dead}") \
+                from self._dead
+
+    @classmethod
+    def from_config(cls, model_dir: str, cfg: Any) -> "VLLMEngine":
+        return cls(model_dir, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
+                   enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+                   cpu_kv_cache_gb=cfg.cpu_kv_cache_gb, seed=cfg.seed,
+                   max_lora_rank=cfg.max_lora_rank, enable_sleep_mode=cfg.enable_sleep_mode)
+
+    # -- public API ----------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        if self._closed or self._dead is not None:
+            raise EngineError("engine is closed" if self._closed else f"vllm engine died: {self._dead}")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        if sampling.top_p < 1.0 or sampling.top_k > 0:
+            raise EngineError("the vllm engine reports logprobs of the top-p/top-k truncated distribution, not the "
+                              "full one the trainer recomputes: set rollout.sampling.top_p=1 and top_k=0, or use "
+                              "engine.kind=hf")
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        n = next(self._ids)
+        seed = sampling.seed if sampling.seed is not None else (self.seed * 1_000_003 + n) & 0x7FFFFFFF
+        params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, seed=seed,
+                                logprobs=0, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True,
+                                detokenize=False, skip_special_tokens=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        loop = asyncio.get_running_loop()
+        req = _Request(f"turnrl-{n}", loop, loop.create_future(), list(prompt_ids), params,
+                       self._adapters[-1].request if self._adapters else None)
+        self._inbox.put(("add", req))
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self._inbox.put(("abort", req.rid))
+            raise
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load (name, tensor) pairs under the HF model's names in place, then drop the prefix cache."""
+        await self._call(lambda engine: self._load_weights(engine, named_tensors))
+        self.version = version
+        self.stats["weight_updates"] += 1
+
+    async def update_lora(self, adapter_tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
+                          version: int) -> None:
+        """Use this peft adapter (its `lora_A`/`lora_B` tensors and `LoraConfig` as a dict) from now on."""
+        if not self.lora_enabled:
+            raise EngineError("this vllm engine was started without LoRA slots: set engine.max_lora_rank to at "
+                              "least model.lora.rank")
+        from vllm.lora.request import LoRARequest
+        directory = write_adapter(adapter_tensors, peft_config)
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(lora_name=f"turnrl-v{version}-{lora_id}", lora_int_id=lora_id, lora_path=str(directory))
+        try:
+            loaded = await self._call(lambda engine: engine.add_lora(request))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        if not loaded:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise EngineError(f"vllm did not load the adapter of version {version}")
+        self._adapters.append(_Adapter(request, directory, version))
+        # Keep the previous adapter's directory: requests still in flight may need vLLM to reload it.
+        for old in self._adapters[:-2]:
+            shutil.rmtree(old.directory, ignore_errors=True)
+        self._adapters = self._adapters[-2:]
+        self.version = version
+        self.stats["lora_updates"] += 1
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free GPU memory: level 1 offloads the weights to host memory, level 2 discards them (send new
+        weights with `update_weights` after `wake_up`). Requests in flight finish with 'abort'."""
+        if not self.sleep_enabled:
+            raise EngineError("sleep mode is off: start the engine with engine.enable_sleep_mode=true (needs a "
+                              "CUDA/ROCm GPU; vLLM's CPU build has no sleep mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        await self._call(lambda engine: (self._abort_all(engine), engine.sleep(level)))
+
+    async def wake_up(self) -> None:
+        if not self.sleep_enabled:
+            raise EngineError("sleep mode is off: start the engine with engine.enable_sleep_mode=true")
+        await self._call(lambda engine: engine.wake_up())
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks start each phase cold with it)."""
+        await self._call(lambda engine: engine.reset_prefix_cache(reset_running_requests=True))
+
+    async def unfinished(self) -> int:
+        """Requests vLLM still holds (waiting or running)."""
+        return await self._call(lambda engine: engine.get_num_unfinished_requests())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("close", None))
+        await asyncio.to_thread(self._thread.join, 30.0)
+        for adapter in self._adapters:
+            shutil.rmtree(adapter.directory, ignore_errors=True)
+        self._adapters = []
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(llm_engine) on the engine thread between two steps."""
+        if self._closed or self._dead is not None:
+            raise EngineError("engine is closed" if self._closed else f"vllm engine died: {self._dead}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(("call", (fn, loop, future)))
+        return await future
+
+    def _run(self, args: dict[str, Any]) -> None:
+        set_num_threads = torch.set_num_threads
+        try:
+            from vllm import EngineArgs
+            from vllm.v1.engine.core_client import InprocClient
+            from vllm.v1.engine.llm_engine import LLMEngine
+            engine = LLMEngine.from_engine_args(EngineArgs(**args))
+            if not isinstance(engine.engine_core, InprocClient):
+                raise RuntimeError(f"expected an in-process engine core, got {type(engine.engine_core).__name__}")
+            self._packed = engine.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
+            self._dtype = engine.model_config.dtype
+            self._checkpoint = _Checkpoint.scan(self.model_path)
+        except BaseException as exc:  # noqa: BLE001 - reported by the constructor
+            self._dead = exc
+            self._ready.set()
+            return
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads for the whole process; the trainer in this
+            # process must keep it.
+            torch.set_num_threads = set_num_threads
+        if self.on_cpu:
+            # One OpenMP thread for the engine, as vLLM's own serving setup intends (its worker's attempt is
+            # blocked by the replacement above in the in-process mode): with more, OpenMP workers spin-wait
+            # between the many small ops of a decode step; measured on 2 busy cores, 365 vs ~100 tok/s.
+            # Thread counts are per thread, so the caller's own count is unchanged.
+            set_num_threads(1)
+        self._ready.set()
+        try:
+            self._loop(engine)
+        finally:
+            self._fail_all(EngineError("engine closed"))
+            try:
+                engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    def _loop(self, engine: Any) -> None:
+        while True:
+            commands = [self._inbox.get()] if not self._live else []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, payload in commands:
+                if kind == "close":
+                    self._abort_all(engine)
+                    return
+                if kind == "add":
+                    self._add(engine, payload)
+                elif kind == "abort" and payload in self._live:
+                    del self._live[payload]
+                    engine.abort_request([payload])
+                    self.stats["aborted"] += 1
+                elif kind == "call":
+                    fn, loop, future = payload
+                    try:
+                        _resolve(loop, future, fn(engine))
+                    except BaseException as exc:  # noqa: BLE001 - raised in the caller
+                        _resolve(loop, future, exc=exc if isinstance(exc, EngineError)
+                                 else EngineError(f"{type(exc).__name__}: {exc}"))
+            if not self._live:
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # noqa: BLE001 - the engine state is unknown: fail everything, stop
+                self._dead = exc
+                self._fail_all(EngineError(f"vllm engine step failed: {type(exc).__name__}: {exc}"))
+                return
+            for out in outputs:
+                if out.finished:
+                    self._finish(out)
+
+    def _add(self, engine: Any, req: _Request) -> None:
+        from vllm.inputs import tokens_input
+        if req.future.cancelled():
+            return
+        try:
+            engine.add_request(req.rid, tokens_input(req.prompt), req.params, lora_request=req.lora)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            _resolve(req.loop, req.future, exc=EngineError(f"vllm rejected the request: {type(exc).__name__}: {exc}"))
+            return
+        self._live[req.rid] = req
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(req.prompt)
+
+    def _finish(self, out: Any) -> None:
+        req = self._live.pop(out.request_id, None)
+        if req is None:  # aborted meanwhile
+            return
+        c = out.outputs[0]
+        reason = _FINISH.get(str(c.finish_reason))
+        if reason is None:
+            _resolve(req.loop, req.future, exc=EngineError(f"vllm finished the request with {c.finish_reason!r}"))
+            return
+        ids = list(c.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids)]
+        assert len(logprobs) == len(ids), "vllm returned fewer logprobs than tokens"
+        self.stats["generated_tokens"] += len(ids)
+        self.stats["cached_prompt_tokens"] += out.num_cached_tokens or 0
+        _resolve(req.loop, req.future, Completion(ids, logprobs, reason))
+
+    def _abort_all(self, engine: Any) -> None:
+        if self._live:
+            engine.abort_request(list(self._live))
+        for req in self._live.values():
+            _resolve(req.loop, req.future, Completion([], [], "abort"))
+        self.stats["aborted"] += len(self._live)
+        self._live.clear()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for req in self._live.values():
+            _resolve(req.loop, req.future, exc=exc)
+        self._live.clear()
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                _resolve(payload.loop, payload.future, exc=exc)
+            elif kind == "call":
+                _resolve(payload[1], payload[2], exc=exc)
+
+    # -- weights -------------------------------------------------------------------------------------
+    def _load_weights(self, engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tensors = dict(named_tensors)
+        tensors.update(self._complete_layers(tensors))
+        dtype = self._dtype
+        partial = not set(self._checkpoint.files) <= set(tensors)
+        # Layers without checkpoint tensors (rotary tables) and, in a partial update, the layers left alone on
+        # purpose would each log a 'failed to load' warning.
+        with _quiet(_RELOAD_LOGGERS if partial else _RELOAD_LOGGERS[:1]):
+            engine.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": ((name, t.detach().to(dtype)) for name, t in tensors.items())})
+        self._changed.update(n for n in tensors if n in self._checkpoint.files)
+        engine.reset_prefix_cache(reset_running_requests=True)
+
+    def _complete_layers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors that share a vLLM layer with a sent tensor but were not sent.
+
+        vLLM rebuilds a layer from the tensors it receives: a layer sent in part (q_proj without k_proj,
+        a weight without its bias) would be rebuilt with uninitialized memory in the rest."""
+        members = {m: group for group in self._packed.values() for m in group}
+        missing: set[str] = set()
+        for name in tensors:
+            if name not in self._checkpoint.files:
+                continue
+            parts = name.split(".")
+            for i in range(len(parts) - 1, -1, -1):
+                if parts[i] in members:
+                    break
+            else:
+                i = len(parts) - 2  # an unfused module: its own weight and bias
+            group = members.get(parts[i], [parts[i]])
+            prefix = ".".join(parts[:i])
+            for sibling in group:
+                head = f"{prefix}.{sibling}." if prefix else f"{sibling}."
+                missing.update(n for n in self._checkpoint.files if n.startswith(head) and n not in tensors)
+        stale = sorted(missing & self._changed)
+        if stale:
+            raise EngineError(f"update_weights got part of a fused vLLM layer; the rest ({', '.join(stale[:4])}"
+                              f"{'...' if len(stale) > 4 else ''}) was changed by an earlier update and cannot be "
+                              f"restored from the checkpoint: send every tensor of those layers")
+        return self._checkpoint.read(sorted(missing))
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> Path:
+    """A peft adapter directory (adapter_model.safetensors + adapter_config.json) in RAM-backed /dev/shm."""
+    from safetensors.torch import save_file
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in peft_config:
+            raise ValueError(f"peft_config has no {key!r}: pass peft's LoraConfig.to_dict()")
+    if not any("lora_A" in n for n in tensors) or not any("lora_B" in n for n in tensors):
+        raise ValueError("adapter_tensors holds no lora_A/lora_B tensors: pass peft.get_peft_model_state_dict(model)")
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    directory = Path(tempfile.mkdtemp(prefix="turnrl-lora-", dir=root))
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
+              str(directory / "adapter_model.safetensors"))
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in peft_config.items()}
+    (directory / "adapter_config.json").write_text(json.dumps(config, default=str))
+    return directory
+
+
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextlib.contextmanager
+def _quiet(names: Iterable[str]) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _global_rng_state() -> tuple[Any, Any, torch.Tensor]:
+    import random
+
+    import numpy as np
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_global_rng_state(state: tuple[Any, Any, torch.Tensor]) -> None:
+    import random
+
+    import numpy as np
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any = None,
+             exc: BaseException | None = None) -> None:
+    def set_result() -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    try:
+        loop.call_soon_threadsafe(set_result)
+    except RuntimeError:  # the caller's loop is gone
+        pass

@@ -1,0 +1,31 @@
+"""AdamW with linear warmup and a constant or cosine schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from turnrl.config.schema import OptimConfig
+
+
+def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Callable[[int], float]:
+    def fn(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+    return fn
+
+
+def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_steps: int
+                    ) -> tuple[torch.optim.Optimizer, Any]:
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(o.warmup_steps, total_steps, o.schedule, o.min_lr_ratio))
+    return optimizer, scheduler

@@ -1,0 +1,159 @@
+"""The trained policy: model loading (full or LoRA), the reference policy, logprobs, and weight export.
+
+- Full fine-tuning keeps fp32 master weights; on CPU and GPU the forward runs under bf16 autocast when the
+  trainer dtype is `auto`/`bfloat16`, so matmuls run at bf16 speed while the optimizer stays exact.
+- LoRA (peft) trains only the adapters. The reference policy is then the same model with the adapter
+  disabled, so no second copy is held in memory; with full fine-tuning it is a frozen copy.
+- `logprobs` returns [B, T] aligned to token positions: column i holds log p(token_i | tokens < i) under
+  softmax(logits / temperature), the same quantity the engines report (column 0 is 0).
+- `export_weights` yields the tensors an engine needs after an update under the base model's parameter
+  names: all weights for full fine-tuning, and for LoRA only the modules an adapter touches, merged
+  (W + scale * B @ A), so the engine never needs peft.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator
+
+import torch
+
+from turnrl.algo.losses import entropy_from_logits, logprobs_from_logits
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    if dtype == "float32":
+        return None
+    return torch.bfloat16
+
+
+def load_policy(model_dir: str, device: torch.device, lora_rank: int = 0, lora_alpha: float = 32.0,
+                lora_dropout: float = 0.0, target_modules: list[str] | str = "all-linear",
+                gradient_checkpointing: bool = False) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.config.use_cache = False
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                 target_modules=target_modules, task_type="CAUSAL_LM"))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_rank > 0:
+            model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def is_lora(model: Any) -> bool:
+    return hasattr(model, "peft_config")
+
+
+class Reference:
+    """Reference-policy logprobs: the adapter switched off (LoRA) or a frozen copy (full fine-tuning)."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.copy = None if is_lora(policy) else copy.deepcopy(policy).eval().requires_grad_(False)
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[Any]:
+        if self.copy is not None:
+            yield self.copy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        return None if self.copy is None else self.copy.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
+        if self.copy is not None and state is not None:
+            self.copy.load_state_dict(state)
+
+
+def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     position_ids: torch.Tensor, temperature: float = 1.0, amp: torch.dtype | None = None,
+                     with_entropy: bool = False, entropy_grad: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs [B, T], entropy [B, T] or None), both aligned to token positions (column 0 is 0).
+    The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it costs none."""
+    device_type = input_ids.device.type
+    ctx = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
+    with ctx:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits
+    logits = logits[:, :-1]
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    lp = logprobs_from_logits(logits, input_ids[:, 1:])
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = entropy_from_logits(logits if entropy_grad else logits.detach())
+    zero = torch.zeros_like(lp[:, :1])
+    lp = torch.cat([zero, lp], dim=1)
+    if ent is not None:
+        ent = torch.cat([zero, ent], dim=1)
+    return lp, ent
+
+
+def _base_name(name: str) -> str:
+    """peft parameter name -> the plain model's name."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def export_weights(model: Any, only_changed: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    if not is_lora(model):
+        for name, tensor in model.state_dict().items():
+            yield name, tensor.detach()
+        return
+    from peft.tuners.lora import LoraLayer
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and hasattr(module, "base_layer"):
+            base = module.base_layer.weight
+            weight = base.detach().clone()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    a = module.lora_A[adapter].weight
+                    b = module.lora_B[adapter].weight
+                    delta = (b.float() @ a.float()) * module.scaling[adapter]
+                    weight += delta.to(weight.dtype).T if getattr(module, "fan_in_fan_out", False) else delta.to(weight.dtype)
+            yield _base_name(name) + ".weight", weight
+    if not only_changed:
+        for name, tensor in model.state_dict().items():
+            if "lora_" not in name and ".base_layer." not in name:
+                yield _base_name(name), tensor.detach()
+
+
+def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def load_critic(model_dir: str, device: torch.device, lora_rank: int = 0, lora_alpha: float = 32.0,
+                target_modules: list[str] | str = "all-linear") -> Any:
+    """A value model for PPO: the policy's backbone with a fresh scalar head (token classification, 1 label)."""
+    from transformers import AutoModelForTokenClassification
+
+    critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32).to(device)
+    critic.config.use_cache = False
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+        critic = get_peft_model(critic, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+                                                   task_type="TOKEN_CLS"))
+    critic.train()
+    return critic
+
+
+def forward_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   amp: torch.dtype | None = None) -> torch.Tensor:
+    """Values [B, T] aligned like logprobs: column i is V(state before token i), read at position i - 1."""
+    ctx = torch.autocast(input_ids.device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+    with ctx:
+        out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    values = out[..., 0].float()[:, :-1]
+    return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
