@@ -48,3 +48,88 @@ def torch_threads():
         finally:
             torch.set_num_threads(old)
     return threads
+
+
+class FakeOpenAI:
+    """A scripted OpenAI-compatible chat server on a loopback port, for judge / simulated-user fault tests.
+
+    Each request takes the next queued response (`push`), else `default(body)`. A response is (status, body,
+    delay_s): body a dict is sent as JSON, a str as is. `requests` holds every request body and its headers.
+    """
+
+    def __init__(self):
+        import collections
+        import http.server
+        import threading
+
+        fake = self
+        self.queue = collections.deque()
+        self.default = lambda body: self.ok("{}")
+        self.requests, self.headers = [], []
+        self.in_flight = self.max_in_flight = 0
+        self._lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                import json
+                import time
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                with fake._lock:
+                    fake.requests.append(body)
+                    fake.headers.append(dict(self.headers))
+                    fake.in_flight += 1
+                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                    status, payload, delay = fake.queue.popleft() if fake.queue else fake.default(body)
+                try:
+                    time.sleep(delay)
+                    data = (json.dumps(payload) if isinstance(payload, dict) else payload).encode()
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout)
+                finally:
+                    with fake._lock:
+                        fake.in_flight -= 1
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    @staticmethod
+    def ok(content: str, prompt_tokens: int = 11, completion_tokens: int = 7, delay: float = 0.0):
+        return 200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                  "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}, delay
+
+    def push(self, *responses):
+        self.queue.extend(responses)
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_openai():
+    """A FakeOpenAI server, stopped after the test."""
+    server = FakeOpenAI()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def closed_port_url():
+    """The /v1 URL of a loopback port nothing listens on (connection refused)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"

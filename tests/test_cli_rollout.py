@@ -66,12 +66,9 @@ def test_rollout_writes_trajectories_and_summary(config, tmp_path, capsys, smoll
     assert "feedback_math" in saved and "seed: 5" in saved
 
 
-@pytest.mark.xfail(raises=SystemExit, strict=True,
-                   reason="turnrl/cli.py: argparse rejects overrides after --out ('unrecognized arguments'); "
-                          "parse_intermixed_args would accept them")
 def test_overrides_may_follow_the_options():
-    from turnrl.cli import build_parser
-    args = build_parser().parse_args(["rollout", "c.yaml", "--out", "d", "rollout.n=2"])
+    from turnrl.cli import parse_args
+    args = parse_args(["rollout", "c.yaml", "--out", "d", "rollout.n=2"])
     assert args.overrides == ["rollout.n=2"] and args.out == "d"
 
 

@@ -114,9 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; `key=value` overrides may also come after the options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     _register_optional_commands()
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, DataError, ModelError) as exc:

@@ -65,3 +65,16 @@ def test_options_and_names_are_checked():
     with pytest.raises(DataError, match="unknown built-in task 'sudoku'; built-ins: calculator, feedback_math"):
         load_dataset(task="sudoku")
     assert len(load_dataset(task="guess_number", size=10, max_rows=3)) == 3
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("calculator", {"steps": "2"}, "option 'steps' must be int, got '2'"),
+    ("calculator", {"demo": 1}, "option 'demo' must be bool, got 1"),
+    ("calculator", {"max_value": 1}, "option 'max_value' must be at least 2, got 1"),
+    ("feedback_math", {"max_attempts": 0}, "option 'max_attempts' must be at least 1"),
+    ("guess_number", {"low": 10, "high": 5}, "option 'low' (10) is above 'high' (5)"),
+])
+def test_option_values_are_checked(name, options, message):
+    with pytest.raises(DataError) as err:
+        generate_task(name, 2, 0, options)
+    assert f"task '{name}': {message}" in str(err.value)

@@ -25,6 +25,13 @@ def test_as_reply_rejects_other_shapes(bad):
         as_reply(bad)
 
 
+def test_as_reply_names_the_verl_order_mistake():
+    with pytest.raises(TypeError, match="verl's \\(terminate, text, score, extra\\) order"):
+        as_reply((False, "Try again.", 0.0, {}))
+    with pytest.raises(TypeError, match="reply text must be a string, got int"):
+        as_reply((42, True))
+
+
 def test_last_assistant_text():
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first"},
                 {"role": "user", "content": "again"}, {"role": "assistant", "content": None}]
@@ -74,6 +81,8 @@ def test_read_interaction_config_in_verls_shape(tmp_path):
 
 
 def test_bad_interaction_names(tmp_path):
+    with pytest.raises(ConfigError, match="unknown interaction 'guess_numbr'. Did you mean 'guess_number'"):
+        interaction_factory(InteractionSpec(name="x", class_name="guess_numbr"))
     with pytest.raises(ConfigError, match="is not a class"):
         interaction_factory(InteractionSpec(name="x", class_name="turnrl.env.interactions:as_reply"))
     with pytest.raises(ConfigError, match="cannot import module"):

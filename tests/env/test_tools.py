@@ -415,7 +415,8 @@ def test_read_tool_config_in_verls_shape(tmp_path):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nonsense", "is not importable"),
+    ("nonsense", "unknown tool 'nonsense'. Built-ins: calculator, check_answer"),
+    ("calculater", "Did you mean 'calculator'?"),
     ("no_such_module_zq:Tool", "cannot import module 'no_such_module_zq'"),
     ("turnrl.env.tools:NoSuchThing", "has no attribute 'NoSuchThing'"),
     ("/nowhere/tools.py:Tool", "does not exist"),

@@ -90,6 +90,7 @@ def test_refresh_is_throttled_and_catches_up_at_exit(tmp_path, monkeypatch):
     import turnrl.observe.plots as plots
     drawn = []
     monkeypatch.setattr(plots, "write_plots", lambda run_dir: drawn.append(run_dir))
+    monkeypatch.setattr(plots, "_skipped", set())      # runs trained earlier in this process left theirs
     run = tmp_path / "run"
     refresh_plots(run, min_interval_s=60)
     refresh_plots(run, min_interval_s=60)      # too soon: skipped, remembered

@@ -139,7 +139,7 @@ def test_missing_run_dir_says_what_to_pass(tmp_path):
 def test_only_loopback_is_quiet(viewer, capsys):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4")
-    make_server(viewer, "0.0.0.0", 0).server_close()
+    make_server(viewer, "0.0.0.0", 0, allow_remote=True).server_close()
     assert "WARNING" in capsys.readouterr().err
 
 

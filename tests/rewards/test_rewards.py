@@ -171,3 +171,24 @@ def test_score_all_totals_with_tool_and_interaction_flags(tools, interaction, to
         assert traj.reward_parts["step:tool"] == pytest.approx(0.3)
         assert traj.reward_parts["step:interaction"] == pytest.approx(0.3)
         assert not math.isnan(traj.reward) and not traj.masked
+
+
+@pytest.mark.parametrize("answer, truth, expected", [
+    (r"So the total is \boxed{285}.", "285", 1.0),
+    (r"The share is \frac{3}{4}", "0.75", 1.0),
+    ("#### 1/2", "0.5", 1.0),
+    (r"\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+    ("I think 290", "285", 0.0),
+    ("no answer here", "285", 0.0),
+])
+def test_math_equiv_compares_answers_mathematically(answer, truth, expected):
+    pytest.importorskip("math_verify")
+    assert score(trajectory(answer, ground_truth=truth), ["math_equiv"]).reward_parts["math_equiv"] == expected
+
+
+def test_math_equiv_says_what_to_install(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs math-verify: pip install math-verify"):
+        load_reward_function("math_equiv")

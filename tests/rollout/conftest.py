@@ -1,4 +1,4 @@
-"""Rollout fixtures: the SmolLM2 chat template, one real HF engine for the session, and a scripted engine.
+"""Rollout fixtures: a scripted engine, one real HF engine for the session, and the real-model rollouts.
 
 The scripted engine answers like a policy would, from a script: each task's prompt carries a tag such as
 `[case:bad_json]` and the engine returns that tag's texts turn by turn, tokenized with the real SmolLM2
@@ -14,7 +14,7 @@ import pytest
 
 from turnrl.chat.parsers import HermesParser
 from turnrl.config.schema import EngineConfig
-from turnrl.engines.base import Completion
+from turnrl.engines.base import Completion, Sampling
 from turnrl.rollout.loop import AgentLoop, Environment, Limits
 
 TAG = re.compile(r"\[case:(\w+)\]")
@@ -59,8 +59,6 @@ def scripted(smol_template):
 @pytest.fixture(scope="session")
 def make_loop(smol_template):
     """make_loop(engine, env, limits=..., sampling=...) -> an AgentLoop with the hermes parser."""
-    from turnrl.engines.base import Sampling
-
     def make(engine, env=None, limits=None, sampling=None, seed=0):
         return AgentLoop(engine, smol_template, HermesParser(), env or Environment(), limits or Limits(),
                          sampling or Sampling(max_tokens=64), seed=seed)
@@ -71,7 +69,6 @@ def make_loop(smol_template):
 def smol_engine(smollm2_dir, torch_threads):
     """The real HF engine on SmolLM2 with the default engine config, shared by the rollout tests; its worker
     runs torch on one thread (see `torch_threads`), pinned by a one-token warm-up."""
-    from turnrl.engines.base import Sampling
     from turnrl.rollout.factory import build_engine
     with torch_threads(1):
         engine = build_engine(EngineConfig(), smollm2_dir)
@@ -127,7 +124,6 @@ def real_rollouts(smol_engine, smol_template):
     """
     from turnrl.config.schema import RolloutConfig
     from turnrl.data import Task, load_dataset
-    from turnrl.engines.base import Sampling
     from turnrl.chat.parsers import get_parser
     from turnrl.rollout.factory import build_environment
     from turnrl.rollout.scheduler import run_batch

@@ -43,7 +43,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     tasks = load_dataset(task=a.task, size=a.prompts, seed=cfg.seed, options=TASK_OPTIONS.get(a.task, {}))
     report = asyncio.run(bench_rollout(resolve(cfg.model.name), cfg.engine, cfg.rollout, tasks, a.repeats,
                                        cfg.seed))
-    report["config"]["task"] = a.task
     print(format_report(report))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=2))

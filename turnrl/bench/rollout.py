@@ -52,9 +52,12 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
         for r in range(repeats):
             load = os.getloadavg()[0]
             await _reset_cache(engine)
+            before = _stats(engine)
             multi = await _multi_turn(engine, template, env, rollout_cfg, tasks, seed)
+            multi["engine_stats"], before = _delta(_stats(engine), before), _stats(engine)
             await _reset_cache(engine)
             offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
+            offline["engine_stats"] = _delta(_stats(engine), before)
             runs.append({"repeat": r, "loadavg_1m": load, "multi_turn": multi, "offline": offline,
                          "ratio": multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"]})
     finally:
@@ -79,6 +82,16 @@ async def _reset_cache(engine: Engine) -> None:
     reset = getattr(engine, "reset_prefix_cache", None)
     if reset is not None:
         await reset()
+
+
+def _stats(engine: Engine) -> dict[str, float]:
+    """The engine's counters (requests, prompt/cached/generated tokens...), where it keeps any."""
+    stats = getattr(engine, "stats", None)
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfig, tasks: list[Task],

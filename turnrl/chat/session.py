@@ -193,14 +193,17 @@ class ChatSession:
             if closing:
                 self._append_pieces([(closing, Source.TEMPLATE)], self.traj.turns[-1].index)
         seg = self.traj.segment
+        canonical = self.template.encode(full)
         ledger_text = self.template.decode(seg.token_ids)
-        if ledger_text != full:
-            result = "mismatch"
-            self.traj.metrics["parity_detail"] = describe_mismatch(full, ledger_text)
-        elif self.template.encode(full) != seg.token_ids:
+        if canonical == seg.token_ids:
+            result = "exact"
+        elif ledger_text == full or ledger_text == self.template.decode(canonical):
+            # The second test: text the tokenizer cannot spell (e.g. an unassigned code point, encoded as
+            # fallback bytes) decodes to something else in both, and is no mismatch.
             result = "token_drift"
         else:
-            result = "exact"
+            result = "mismatch"
+            self.traj.metrics["parity_detail"] = describe_mismatch(full, ledger_text)
         if self.traj.parity != "split" or result == "mismatch":
             self.traj.parity = result
         return result

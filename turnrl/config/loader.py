@@ -6,7 +6,10 @@ suggests the closest valid one. Nothing is ever silently ignored.
 
 Supported field types: bool, int, float, str, `Literal[...]`, `X | None`, `list[X]`, `dict[str, X]`,
 nested dataclasses and `Any` (free-form values handed to user code, e.g. a tool's own config).
-Fields whose metadata has `secret=True` are redacted by `to_dict(..., redact=True)` and never echoed in errors.
+Fields whose metadata has `secret=True` are redacted by `to_dict(..., redact=True)` (a reference, `env:NAME` or
+`file:PATH`, is shown as written) and never echoed in errors;
+an override whose key ends like a secret's (`..._key`, `token`, `secret`, `password`) is shown as `KEY=***` in
+the errors about its syntax, which come before the key is matched to a field.
 """
 
 from __future__ import annotations
@@ -172,6 +175,15 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     return obj
 
 
+_SECRET_NAME = re.compile(r"(key|token|secret|password)$", re.IGNORECASE)
+
+
+def _shown(text: str) -> str:
+    """An override as error messages may quote it: without the value when the key names a secret."""
+    key, sep, _ = text.partition("=")
+    return f"{key}=***" if sep and _SECRET_NAME.search(key.strip()) else text
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (['a', 'b', 'c'], parsed value). Values are parsed as YAML scalars/lists."""
     if "=" not in text:
@@ -180,11 +192,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     parts = key.split(".")
     if not key or any(not p or not p.replace("_", "a").replace("-", "a").isalnum() for p in parts):
-        raise ConfigError(f"Bad override '{text}': the key '{key}' must be dotted names like model.lora.rank.")
+        raise ConfigError(f"Bad override '{_shown(text)}': the key '{key}' must be dotted names like model.lora.rank.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: ints past 4300 digits
-        raise ConfigError(f"Bad override '{text}': the value does not parse ({exc.__class__.__name__}). "
+        raise ConfigError(f"Bad override '{_shown(text)}': the value does not parse ({exc.__class__.__name__}). "
                           "Quote strings that contain ':' or brackets.") from None
     return parts, value
 
@@ -203,11 +215,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             where = ".".join(parts[:i])
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(f"Bad override '{text}': '{where}' is a list of {len(node)} item(s); "
+                    raise ConfigError(f"Bad override '{_shown(text)}': '{where}' is a list of {len(node)} item(s); "
                                       f"'{part}' is not an index into it (0 to {len(node) - 1}).")
                 part = int(part)
             elif not isinstance(node, dict):
-                raise ConfigError(f"Bad override '{text}': '{where}' is a value, not a section.")
+                raise ConfigError(f"Bad override '{_shown(text)}': '{where}' is a value, not a section.")
             if last:
                 node[part] = value
                 break
@@ -247,7 +259,7 @@ def to_dict(obj: Any, redact: bool = True) -> Any:
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if redact and f.metadata.get("secret") and value:
+            if redact and f.metadata.get("secret") and value and not is_reference(value):
                 out[f.name] = REDACTED
             else:
                 out[f.name] = to_dict(value, redact)
@@ -257,6 +269,11 @@ def to_dict(obj: Any, redact: bool = True) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v, redact) for k, v in obj.items()}
     return obj
+
+
+def is_reference(value: Any) -> bool:
+    """A secret given as `env:NAME` or `file:PATH` (see turnrl.config.secrets): safe to show."""
+    return isinstance(value, str) and value.startswith(("env:", "file:")) and len(value.split(":", 1)[1]) > 0
 
 
 def dump_yaml(obj: Any, redact: bool = True) -> str:

@@ -35,7 +35,7 @@ class Task:
     @property
     def info(self) -> dict[str, Any]:
         return {"uid": self.uid, "index": self.index, "data_source": self.data_source,
-                "ground_truth": self.ground_truth, "extra": self.extra}
+                "ground_truth": self.ground_truth, "extra": self.extra, "interaction": self.interaction}
 
 
 def _messages(value: Any, where: str) -> list[dict[str, Any]]:
@@ -51,6 +51,8 @@ def _messages(value: Any, where: str) -> list[dict[str, Any]]:
             raise DataError(f"{where}: message {i} must be a mapping with 'role' and 'content'")
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise DataError(f"{where}: message {i} has unknown role {m['role']!r}")
+        if not isinstance(m["content"], str):  # chat templates concatenate it: fail here, not in every rollout
+            raise DataError(f"{where}: message {i}'s 'content' must be a string, got {type(m['content']).__name__}")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -84,6 +86,9 @@ def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
     row = _plain(row)
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a mapping, got {type(row).__name__}")
+    for key in ("extra_info", "reward_model", "extra"):
+        if not isinstance(row.get(key) or {}, dict):
+            raise DataError(f"{where}: '{key}' must be a mapping, got {type(row[key]).__name__}")
     extra_info = row.get("extra_info") or {}
     if "messages" in row:
         messages = _messages(row["messages"], where)
@@ -97,8 +102,8 @@ def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
         raise DataError(f"{where}: 'tools_kwargs' must map tool names to create kwargs")
     tools_kwargs = {k: _create_kwargs(v, f"{where}: tools_kwargs['{k}']") for k, v in tools_kwargs.items()}
     interaction = row.get("interaction", extra_info.get("interaction_kwargs"))
-    if interaction is not None and (not isinstance(interaction, dict) or "name" not in interaction):
-        raise DataError(f"{where}: 'interaction' must be a mapping with a 'name'")
+    if interaction is not None and (not isinstance(interaction, dict) or not isinstance(interaction.get("name"), str)):
+        raise DataError(f"{where}: 'interaction' must be a mapping with a 'name' string")
     tools = row.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
         raise DataError(f"{where}: 'tools' must be a list of tool names")

@@ -22,7 +22,17 @@ def _opts(options: dict[str, Any], defaults: dict[str, Any], task: str) -> dict[
     unknown = set(options) - set(defaults)
     if unknown:
         raise DataError(f"task '{task}': unknown option(s) {sorted(unknown)}; valid: {sorted(defaults)}")
-    return {**defaults, **options}
+    out = {**defaults, **options}
+    for key, default in defaults.items():
+        if type(out[key]) is not type(default):  # bool is not int here: `steps: true` is a mistake
+            raise DataError(f"task '{task}': option '{key}' must be {type(default).__name__}, got {out[key]!r}")
+    minimum = {"steps": 1, "max_value": 2, "max_attempts": 1}
+    for key, low in minimum.items():
+        if key in out and out[key] < low:
+            raise DataError(f"task '{task}': option '{key}' must be at least {low}, got {out[key]}")
+    if "low" in out and out["low"] > out["high"]:
+        raise DataError(f"task '{task}': option 'low' ({out['low']}) is above 'high' ({out['high']})")
+    return out
 
 
 def _expression(rng: random.Random, steps: int, max_value: int) -> tuple[str, int]:

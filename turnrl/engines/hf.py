@@ -95,6 +95,7 @@ class HFEngine:
         self.gather_s = gather_ms / 1000
         self.seed = seed
         self.version = 0
+        self.in_flight = 0                 # requests submitted and not yet answered (for progress)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
                       "busy_s": 0.0}
         self._pending: deque[_Request] = deque()
@@ -123,11 +124,14 @@ class HFEngine:
         with self._cv:
             self._pending.append(req)
             self._cv.notify()
+        self.in_flight += 1
         try:
             return await req.future
         except asyncio.CancelledError:
             req.aborted = True
             raise
+        finally:
+            self.in_flight -= 1
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (between decode steps; the worker holds the same lock per step)."""

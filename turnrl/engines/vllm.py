@@ -83,16 +83,19 @@ class _Adapter:
 @dataclass
 class _Checkpoint:
     """Where each checkpoint tensor lives, to complete partial updates of fused layers."""
-    files: dict[str, Path] = field(default_factory=dict)   # name -> safetensors file
+    files: dict[str, Path] = field(default_factory=dict)          # name -> safetensors file
+    modules: dict[str, list[str]] = field(default_factory=dict)   # module path -> its tensor names
 
     @classmethod
     def scan(cls, model_dir: Path) -> "_Checkpoint":
         from safetensors import safe_open
-        files = {}
+        out = cls()
         for path in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
-                files.update({name: path for name in f.keys()})
-        return cls(files)
+                for name in f.keys():
+                    out.files[name] = path
+                    out.modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
+        return out
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -355,6 +358,10 @@ class VLLMEngine:
             for out in outputs:
                 if out.finished:
                     self._finish(out)
+            if not outputs and not engine.has_unfinished_requests():  # never spin on requests vLLM let go
+                for req in self._live.values():
+                    _resolve(req.loop, req.future, exc=EngineError("vllm dropped the request without an output"))
+                self._live.clear()
 
     def _add(self, engine: Any, req: _Request) -> None:
         from vllm.inputs import tokens_input
@@ -409,8 +416,8 @@ class VLLMEngine:
 
     # -- weights -------------------------------------------------------------------------------------
     def _load_weights(self, engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tensors = dict(named_tensors)
-        tensors.update(self._complete_layers(tensors))
+        sent = dict(named_tensors)
+        tensors = {**sent, **self._complete_layers(sent)}
         dtype = self._dtype
         partial = not set(self._checkpoint.files) <= set(tensors)
         # Layers without checkpoint tensors (rotary tables) and, in a partial update, the layers left alone on
@@ -418,14 +425,16 @@ class VLLMEngine:
         with _quiet(_RELOAD_LOGGERS if partial else _RELOAD_LOGGERS[:1]):
             engine.collective_rpc("reload_weights", kwargs={
                 "weights_iterator": ((name, t.detach().to(dtype)) for name, t in tensors.items())})
-        self._changed.update(n for n in tensors if n in self._checkpoint.files)
+        self._changed.update(n for n in sent if n in self._checkpoint.files)
         engine.reset_prefix_cache(reset_running_requests=True)
 
     def _complete_layers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint tensors that share a vLLM layer with a sent tensor but were not sent.
 
         vLLM rebuilds a layer from the tensors it receives: a layer sent in part (q_proj without k_proj,
-        a weight without its bias) would be rebuilt with uninitialized memory in the rest."""
+        a weight without its bias) would be rebuilt with uninitialized memory in the rest. Layers are found
+        through the model's `packed_modules_mapping`; a fused MoE expert layer (all experts in one) is not
+        covered: send it whole."""
         members = {m: group for group in self._packed.values() for m in group}
         missing: set[str] = set()
         for name in tensors:
@@ -437,11 +446,10 @@ class VLLMEngine:
                     break
             else:
                 i = len(parts) - 2  # an unfused module: its own weight and bias
-            group = members.get(parts[i], [parts[i]])
-            prefix = ".".join(parts[:i])
-            for sibling in group:
-                head = f"{prefix}.{sibling}." if prefix else f"{sibling}."
-                missing.update(n for n in self._checkpoint.files if n.startswith(head) and n not in tensors)
+            prefix = ".".join(parts[:i] + ["{}"])
+            for sibling in members.get(parts[i], [parts[i]]):
+                module = prefix.format(sibling)
+                missing.update(n for n in self._checkpoint.modules.get(module, ()) if n not in tensors)
         stale = sorted(missing & self._changed)
         if stale:
             raise EngineError(f"update_weights got part of a fused vLLM layer; the rest ({', '.join(stale[:4])}"

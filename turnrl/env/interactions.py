@@ -35,7 +35,12 @@ def as_reply(value: Any) -> Reply:
         return Reply(value)
     if isinstance(value, tuple) and 1 <= len(value) <= 4:
         text, done, reward, info = (list(value) + [False, 0.0, {}])[:4]
-        return Reply(str(text), bool(done), float(reward or 0.0), dict(info or {}))
+        if isinstance(text, bool) and isinstance(done, str):
+            raise TypeError("respond() returned verl's (terminate, text, score, extra) order; a turnrl interaction "
+                            "returns (text, done, reward, info) (or write a verl class with generate_response)")
+        if not isinstance(text, str):
+            raise TypeError(f"respond()'s reply text must be a string, got {type(text).__name__}")
+        return Reply(text, bool(done), float(reward or 0.0), dict(info or {}))
     raise TypeError(f"an interaction's respond() must return Reply, a (text, done, reward, info) tuple or a "
                     f"string; got {type(value).__name__}")
 

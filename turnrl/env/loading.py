@@ -6,6 +6,7 @@ Only what a config names is imported. A factory builds a fresh instance per traj
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -22,10 +23,12 @@ from turnrl.env.tools import FunctionTool, Tool
 BUILTIN_TOOLS = {
     "calculator": "turnrl.env.builtin.calculator:Calculator",
     "check_answer": "turnrl.env.builtin.checker:AnswerChecker",
+    "python": "turnrl.env.builtin.python_sandbox:PythonSandbox",
 }
 BUILTIN_INTERACTIONS = {
     "math_feedback": "turnrl.env.builtin.feedback:MathFeedback",
     "guess_number": "turnrl.env.builtin.guess:GuessNumberUser",
+    "llm_user": "turnrl.env.builtin.llm_user:LLMUser",
 }
 
 
@@ -61,9 +64,18 @@ def import_object(name: str) -> Any:
     return getattr(module, attr)
 
 
+def _resolve(name: str, builtins: dict[str, str], what: str) -> Any:
+    if name not in builtins and ":" not in name and "." not in name:
+        close = difflib.get_close_matches(name, list(builtins), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown {what} '{name}'.{hint} Built-ins: {', '.join(builtins)}; "
+                          "or write module:Name or path/to/file.py:Name.")
+    return import_object(builtins.get(name, name))
+
+
 def tool_factory(spec: ToolSpec) -> tuple[str, Callable[[], Tool]]:
     """(tool name, factory) for one tool spec."""
-    target = import_object(BUILTIN_TOOLS.get(spec.class_name, spec.class_name))
+    target = _resolve(spec.class_name, BUILTIN_TOOLS, "tool")
     if inspect.isclass(target):
         from turnrl.compat.verl import is_verl_tool, verl_tool_factory
         if is_verl_tool(target):
@@ -110,7 +122,7 @@ def _schema_name(spec: ToolSpec) -> str:
 
 
 def interaction_factory(spec: InteractionSpec) -> Callable[[], Any]:
-    target = import_object(BUILTIN_INTERACTIONS.get(spec.class_name, spec.class_name))
+    target = _resolve(spec.class_name, BUILTIN_INTERACTIONS, "interaction")
     if not inspect.isclass(target):
         raise ConfigError(f"interaction '{spec.name}': '{spec.class_name}' is not a class.")
     from turnrl.compat.verl import is_verl_interaction, verl_interaction_factory

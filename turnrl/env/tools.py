@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,24 +152,47 @@ def check_arguments(schema: dict[str, Any], args: dict[str, Any]) -> str | None:
     return None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def as_text(value: Any) -> str:
+    """Text a tokenizer takes: bytes are decoded as UTF-8, and what is not valid Unicode (undecodable bytes, the
+    lone surrogates of `surrogateescape`) becomes U+FFFD. Fast tokenizers raise on lone surrogates."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    text = value if isinstance(value, str) else str(value)
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def finite_reward(value: Any, what: str) -> float:
+    """A reward as a float; NaN or infinity would poison every advantage of the batch, so they are errors."""
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"{what} must be a finite number, got {reward}")
+    return reward
+
+
 def _normalize(output: Any) -> ToolOutput:
+    """Any accepted return value -> ToolOutput; TypeError/ValueError for a reward that is not a finite number."""
     if isinstance(output, ToolOutput):
-        return output
+        reward = None if output.reward is None else finite_reward(output.reward, "the step reward")
+        return ToolOutput(as_text(output.text), reward, output.metrics)
     if isinstance(output, tuple) and 1 <= len(output) <= 3:  # verl: (text, step_reward, metrics)
         text = output[0]
         reward = output[1] if len(output) > 1 else None
         metrics = output[2] if len(output) > 2 else {}
         if isinstance(text, dict):  # verl's ToolResponse-like {"text": ...}
             text = text.get("text", "")
-        elif not isinstance(text, str) and hasattr(text, "text"):  # verl's ToolResponse object
+        elif not isinstance(text, (str, bytes)) and hasattr(text, "text"):  # verl's ToolResponse object
             text = text.text or ""
-        return ToolOutput(str(text), None if reward is None else float(reward), dict(metrics or {}))
-    if isinstance(output, str):
-        return ToolOutput(output)
+        return ToolOutput(as_text(text), None if reward is None else finite_reward(reward, "the step reward"),
+                          dict(metrics or {}))
+    if isinstance(output, (str, bytes, bytearray)):
+        return ToolOutput(as_text(output))
     if output is None:
         return ToolOutput("")
     text = getattr(output, "text", None)
-    return ToolOutput(str(text) if text is not None else str(output))
+    return ToolOutput(as_text(text if text is not None else output))
 
 
 class ToolSession:
@@ -222,7 +246,7 @@ class ToolSession:
         start = time.perf_counter()
         async with self.semaphore:
             try:
-                out = _normalize(await asyncio.wait_for(call(tool.execute, tc.arguments or {}), self.timeout_s))
+                raw = await asyncio.wait_for(call(tool.execute, tc.arguments or {}), self.timeout_s)
             except asyncio.TimeoutError:
                 msg = f"tool '{tc.name}' timed out after {self.timeout_s:g}s"
                 return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment",
@@ -232,6 +256,12 @@ class ToolSession:
                 text, truncated = await self._truncate(f"Error: {msg}")  # an exception's text can be huge too
                 return ToolResult(tc.name, text, tc.id, error=msg, blame="environment", truncated=truncated,
                                   seconds=time.perf_counter() - start)
+        try:
+            out = _normalize(raw)
+        except (TypeError, ValueError) as exc:
+            msg = f"tool '{tc.name}' returned an unusable result: {exc}"
+            return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment",
+                              seconds=time.perf_counter() - start)
         text, truncated = await self._truncate(out.text)
         return ToolResult(tc.name, text, tc.id, reward=out.reward, metrics=out.metrics, truncated=truncated,
                           seconds=time.perf_counter() - start)
@@ -250,8 +280,8 @@ class ToolSession:
                 continue
             try:
                 value = await asyncio.wait_for(call(tool.reward), self.timeout_s)
-                if value is not None:
-                    out[name] = float(value)  # inside the try: a reward that is not a number is an error too
+                if value is not None:  # inside the try: a reward that is not a finite number is an error too
+                    out[name] = finite_reward(value, "the final reward")
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"{name}.reward() failed: {type(exc).__name__}: {exc}")
         return out, errors

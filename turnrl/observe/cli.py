@@ -12,6 +12,9 @@ from turnrl.cli import command
 def _view_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run directory with trajectories.jsonl (rollout, train or eval)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --host that other machines can reach (no authentication: anyone who can reach "
+                        "the port reads the trajectories)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed)")
     p.add_argument("--per-step", type=int, default=32, help="at most this many trajectories per step and split")
     p.add_argument("--export", type=Path, default=None, metavar="OUT.html",
@@ -27,7 +30,7 @@ def cmd_view(a: argparse.Namespace) -> int:
             print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
         else:
             from turnrl.observe.viewer.server import serve
-            serve(a.run_dir, a.host, a.port, a.per_step)
+            serve(a.run_dir, a.host, a.port, a.per_step, a.allow_remote)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from turnrl.config.secrets import resolve_secret
 from turnrl.observe.conversation import final_answer, prompt_text
 from turnrl.observe.progress import format_table
 
@@ -42,18 +43,30 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
 
 
 class JsonlSink:
+    """metrics.jsonl and tables.jsonl, appended to. The first step a sink logs replaces what the files hold
+    from that step on: a run resumed from its last checkpoint logs again the steps the killed run had logged
+    after it (and a line a kill cut short is dropped), so each step appears once."""
+
     def __init__(self, path: Path, table_path: Path | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", encoding="utf-8")
+        self.path = path
         self.table_path = table_path or path.with_name("tables.jsonl")
-        self.tables = None
+        self.file = self.tables = None
+
+    def _open(self, step: int) -> None:
+        if self.file is None:
+            for path in (self.path, self.table_path):
+                drop_steps_from(path, step)
+            self.file = open(self.path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._open(step)
         clean = {k: _finite(v) for k, v in metrics.items()}
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         self.file.flush()
 
     def log_table(self, step: int, name: str, rows: list[dict[str, Any]]) -> None:
+        self._open(step)
         if self.tables is None:
             self.tables = open(self.table_path, "a", encoding="utf-8")
         clean = [{k: _finite(v) for k, v in row.items()} for row in rows]
@@ -61,9 +74,28 @@ class JsonlSink:
         self.tables.flush()
 
     def close(self) -> None:
-        self.file.close()
-        if self.tables is not None:
-            self.tables.close()
+        for f in (self.file, self.tables):
+            if f is not None:
+                f.close()
+
+
+def drop_steps_from(path: Path, step: int) -> None:
+    """Rewrite a JSONL log without its lines for `step` and later, and without lines that do not parse."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] < step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 class ConsoleSink:
@@ -113,6 +145,7 @@ class WandbSink:
             import wandb
         except ImportError:
             raise ValueError("logging.sinks has 'wandb' but it is not installed: pip install 'turnrl[wandb]'") from None
+        api_key = resolve_secret(api_key, "logging.wandb_api_key")
         if api_key:
             os.environ.setdefault("WANDB_API_KEY", api_key)
         self.run = wandb.init(project=project, name=run_name, config=config)

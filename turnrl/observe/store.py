@@ -1,4 +1,8 @@
-"""Trajectories on disk: one JSON object per line (messages + ledger), read back as `Trajectory`."""
+"""Trajectories on disk: one JSON object per line (messages + ledger), read back as `Trajectory`.
+
+Known secrets are redacted from what is written (`turnrl.config.secrets.redact`): a tool or an error message
+that echoes an API key does not put it in the traces or the viewer.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import numbers
 from pathlib import Path
 from typing import Any, Iterator
 
+from turnrl.config.secrets import redact
 from turnrl.ledger import Trajectory
 
 
@@ -18,7 +23,7 @@ def write_trajectories(path: Path, trajectories: list[Trajectory], append: bool 
         for traj in trajectories:
             record = traj.to_dict()
             record.update(fields)
-            f.write(json.dumps(record, ensure_ascii=False, default=_jsonable) + "\n")
+            f.write(redact(json.dumps(record, ensure_ascii=False, default=_jsonable)) + "\n")
 
 
 def _jsonable(value: Any) -> Any:

@@ -4,12 +4,15 @@ A reward function receives the finished `Trajectory` and returns a float, or a d
 metrics. Functions written for verl (`compute_score(data_source, solution_str, ground_truth, extra_info)`)
 are recognised by their parameter names and called that way, with `solution_str` = the last assistant
 message. Sync or async. A function that raises or returns something else is recorded as a reward error on
-that trajectory (masked out of the loss), never a silent zero.
+that trajectory (masked out of the loss), never a silent zero; one that raises `RewardError` names the
+error's kind itself (e.g. `judge`) and keeps what the attempt cost. A function object with a `bind(context)`
+method gets the policy's rollout context (`bind_rollout`), e.g. the LLM judge's CollabLLM futures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import math
 import numbers
@@ -48,9 +51,32 @@ def tool_success(traj: Trajectory) -> float:
     return 1.0 if any(r.error is None for t in traj.turns for r in t.tool_results) else 0.0
 
 
+def math_equiv(traj: Trajectory) -> float:
+    """1 when the last assistant message's final answer equals the ground truth mathematically (math-verify:
+    `\\boxed{}`, LaTeX, fractions, expressions; `pip install math-verify`)."""
+    from math_verify import parse, verify
+    truth = traj.info.get("ground_truth")
+    if truth is None:
+        raise ValueError("math_equiv needs the row's ground_truth")
+    gold = parse(str(truth)) or parse(f"${truth}$")  # bare LaTeX such as x^2+1 parses only inside $...$
+    answer = parse(final_text(traj))
+    return 1.0 if gold and answer and verify(gold, answer) else 0.0
+
+
 BUILTIN: dict[str, Callable[[Trajectory], Any]] = {
     "exact_answer": exact_answer, "last_number": last_number, "answer_format": answer_format,
-    "tool_success": tool_success}
+    "tool_success": tool_success, "math_equiv": math_equiv}
+NEEDS = {"math_equiv": ("math_verify", "math-verify")}   # built-in -> (module, package that provides it)
+
+
+class RewardError(RuntimeError):
+    """A reward that could not be computed (a judge that failed after its retries, ...): recorded as an error of
+    `kind` that masks the sample, with `metrics` (what the attempt cost) kept on the trajectory."""
+
+    def __init__(self, kind: str, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.metrics = dict(metrics or {})
 
 
 @dataclass
@@ -80,6 +106,8 @@ def load_reward_function(name: str, weight: float = 1.0) -> RewardFunction:
     if name not in BUILTIN and ":" not in name and "." not in name:
         raise ConfigError(f"unknown reward function '{name}': built-ins are {', '.join(BUILTIN)}; "
                          "or give path.py:function or module:function")
+    if name in NEEDS and importlib.util.find_spec(NEEDS[name][0]) is None:
+        raise ConfigError(f"reward function '{name}' needs {NEEDS[name][1]}: pip install {NEEDS[name][1]}")
     fn = BUILTIN.get(name) or import_object(name)
     if not callable(fn):
         raise ConfigError(f"reward function '{name}' is not callable")
@@ -110,6 +138,10 @@ async def score_trajectory(traj: Trajectory, functions: list[RewardFunction], us
     for rf in functions:
         try:
             score, extras = _as_score(rf.name, await rf(traj))
+        except RewardError as exc:
+            traj.add_error(exc.kind, f"{rf.name}: {exc}")
+            traj.metrics.update({f"{rf.name}/{k}": float(v) for k, v in exc.metrics.items()})
+            continue
         except Exception as exc:  # noqa: BLE001 - a reward failure masks this sample, it is not a zero
             traj.add_error("reward", f"{rf.name}: {type(exc).__name__}: {exc}")
             continue
@@ -129,6 +161,14 @@ async def score_trajectory(traj: Trajectory, functions: list[RewardFunction], us
     if step_user:
         traj.reward_parts["step:interaction"] = step_user
     traj.reward = total
+
+
+def bind_rollout(functions: list[RewardFunction], context: Any) -> None:
+    """Give reward functions that roll out (a `bind(context)` method, e.g. CollabLLM futures) the policy."""
+    for rf in functions:
+        bind = getattr(rf.fn, "bind", None)
+        if callable(bind):
+            bind(context)
 
 
 async def score_all(trajectories: list[Trajectory], functions: list[RewardFunction], use_tool_rewards: bool = True,

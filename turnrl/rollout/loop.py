@@ -18,6 +18,7 @@ rest of the batch goes on.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import traceback
 import zlib
@@ -30,7 +31,7 @@ from turnrl.chat.templates import ChatTemplate
 from turnrl.data.rows import Task
 from turnrl.engines.base import Engine, EngineError, Sampling
 from turnrl.env.interactions import as_reply
-from turnrl.env.tools import ToolSession, call
+from turnrl.env.tools import ToolSession, as_text, call, finite_reward
 from turnrl.ledger import Trajectory, Turn
 
 
@@ -178,6 +179,10 @@ class AgentLoop:
                 traj.add_error("engine", str(exc), turn_index)
                 return
             traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.perf_counter() - t0
+            if not all(math.isfinite(x) for x in completion.logprobs):
+                traj.termination = "error"
+                traj.add_error("engine", "the engine returned non-finite logprobs", turn_index)
+                return
             turn = session.add_assistant(completion.token_ids, completion.logprobs, completion.finish_reason,
                                          turn_index)
             if completion.finish_reason == "abort":
@@ -237,6 +242,10 @@ class AgentLoop:
         try:
             reply = as_reply(await asyncio.wait_for(call(interaction.respond, [dict(m) for m in traj.messages]),
                                                     self.env.interaction_timeout_s))
+            if not isinstance(reply.text, str):  # a Reply built by hand can hold anything
+                raise TypeError(f"the reply's text must be a string, got {type(reply.text).__name__}")
+            reply.text = as_text(reply.text)
+            reply.reward = finite_reward(reply.reward, "the reply's reward")
         except Exception as exc:  # noqa: BLE001 - a broken simulated user is data
             traj.termination = "error"
             what = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
@@ -265,7 +274,7 @@ class AgentLoop:
             try:
                 final = await asyncio.wait_for(call(interaction.finish), self.env.interaction_timeout_s)
                 if final is not None:
-                    traj.reward_parts["interaction"] = float(final)
+                    traj.reward_parts["interaction"] = finite_reward(final, "the final reward")
             except Exception as exc:  # noqa: BLE001
                 traj.add_error("interaction", f"finish failed: {type(exc).__name__}: {exc}")
         if not traj.termination:

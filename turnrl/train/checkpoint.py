@@ -78,6 +78,9 @@ def save_checkpoint(root: Path, step: int, model: Any, optimizer: torch.optim.Op
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints; drop temporary directories left by killed saves."""
+    for stale in root.glob(".tmp_step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
     if keep <= 0:
         return
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())

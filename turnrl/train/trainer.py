@@ -20,13 +20,16 @@ import torch
 from turnrl.config import Config, dump_yaml, to_dict
 from turnrl.data import Task, load_dataset
 from turnrl.engines.hf import resolve_device
-from turnrl.ledger import Trajectory, to_batch
+from turnrl.ledger import Source, Trajectory, to_batch
+from turnrl.llm import close_all as close_llm_clients
+from turnrl.llm import usage_metrics as llm_usage_metrics
 from turnrl.models import resolve
-from turnrl.observe.metrics import MetricsLogger, generation_rows
+from turnrl.observe.metrics import MetricsLogger, drop_steps_from, generation_rows
 from turnrl.observe.plots import refresh_plots
 from turnrl.observe.progress import Progress
 from turnrl.observe.store import write_trajectories
-from turnrl.rewards.functions import score_all
+from turnrl.rewards.collab import RolloutContext
+from turnrl.rewards.functions import bind_rollout, score_all
 from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template, sampling_from
 from turnrl.rollout.run import reward_functions
 from turnrl.rollout.scheduler import run_batch, summarize
@@ -119,6 +122,7 @@ class Trainer:
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
         self.engine = build_engine(cfg.engine, self.model_dir)
+        bind_rollout(self.rewards, RolloutContext(self.engine, self.template, self.env, cfg.rollout, cfg.seed))
         self.logger = MetricsLogger(self.out, cfg.logging.sinks, cfg.logging.project, cfg.logging.run_name,
                                     to_dict(cfg), cfg.logging.wandb_api_key)
 
@@ -131,6 +135,8 @@ class Trainer:
             self.critic.load_state_dict(extra["critic"])
         self.start_step = state["step"]
         self.data.position = state["data_position"]
+        # what the killed run saved after its last checkpoint is redone: drop it so nothing appears twice
+        drop_steps_from(self.out / "trajectories.jsonl", self.start_step + 1)
         print(f"[turnrl] resumed from {path} at step {self.start_step}", flush=True)
 
     async def sync_weights(self, version: int) -> float:
@@ -157,6 +163,7 @@ class Trainer:
         finally:
             self.logger.close()
             await self.engine.close()
+            await close_llm_clients()
         return history
 
     def save(self, step: int) -> Path:
@@ -173,10 +180,12 @@ class Trainer:
                       desc: str = "rollout") -> tuple[list[Trajectory], float]:
         loop = build_loop(self.cfg.rollout, self.engine, self.template, self.env, self.cfg.seed * 1_000_003 + step,
                           sampling, policy_version=step)
-        progress = Progress(len(tasks) * n, f"{desc} {step}", self.cfg.logging.progress)
+        progress = Progress(len(tasks) * n, f"{desc} {step}", self.cfg.logging.progress,
+                            in_flight=lambda: getattr(self.engine, "in_flight", 0))
         start = time.perf_counter()
         try:
-            trajs = await run_batch(loop, tasks, n, self.cfg.rollout.concurrency, lambda t: progress.update(1))
+            trajs = await run_batch(loop, tasks, n, self.cfg.rollout.concurrency,
+                                    lambda t: progress.update(1, tokens=t.n_tokens(Source.POLICY)))
         finally:
             progress.close()
         return trajs, time.perf_counter() - start
@@ -253,7 +262,12 @@ class Trainer:
             if key.startswith(("termination/", "errors/", "parity/")):
                 m[key] = s[key]
         for part in sorted({k for t in trajs for k in t.reward_parts}):
-            m[f"reward/{part}"] = float(np.mean([t.reward_parts.get(part, 0.0) for t in trajs]))
+            have = [t.reward_parts[part] for t in trajs if part in t.reward_parts and not t.masked]
+            if have:  # the mean over the trajectories that were scored on this part
+                m[f"reward/{part}"] = float(np.mean(have))
+        for key in sorted({k for t in trajs for k, v in t.metrics.items() if "/" in k and isinstance(v, (int, float))}):
+            m[key] = float(np.mean([t.metrics[key] for t in trajs if isinstance(t.metrics.get(key), (int, float))]))
+        m.update(llm_usage_metrics())  # judge / simulated-user calls and tokens since the last step
         mask = rows.loss_mask > 0
         if mask.any():
             diff = (rows.old_logprobs - rows.engine_logprobs)[mask]

@@ -7,7 +7,8 @@ Endpoints (all GET, JSON):
   /api/trajectories?step=&split=  summary rows (filtering happens in the page, the same code for an export)
   /api/trajectory/ID            one trajectory: conversation, rewards, tokens
   /api/group/ID                 the samples of ID's prompt at the same step, side by side
-It binds 127.0.0.1 unless told otherwise: trajectories can hold prompts and data that are not for sharing.
+It binds 127.0.0.1 and refuses any other address unless `allow_remote` (`--allow-remote`) says so:
+trajectories can hold prompts and data that are not for sharing, and the page has no authentication.
 """
 
 from __future__ import annotations
@@ -120,8 +121,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def make_server(viewer: Viewer, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+def make_server(viewer: Viewer, host: str = "127.0.0.1", port: int = 0,
+                allow_remote: bool = False) -> ThreadingHTTPServer:
     if not is_loopback(host):
+        if not allow_remote:
+            raise ValueError(f"refusing to serve on {host}: only loopback addresses (127.0.0.1, ::1, localhost) "
+                             "unless --allow-remote; the page has no authentication and shows prompts, data and "
+                             "model outputs. Prefer an SSH tunnel (ssh -L PORT:127.0.0.1:PORT host).")
         print(f"[turnrl] view: WARNING: serving on {host}, reachable from other machines; the trajectories "
               "(prompts, data, model outputs) are readable by anyone who can reach this port", file=sys.stderr)
     server_class = type("ViewerServer", (ThreadingHTTPServer,), {
@@ -129,9 +135,10 @@ def make_server(viewer: Viewer, host: str = "127.0.0.1", port: int = 0) -> Threa
     return server_class((host, port), make_handler(viewer))
 
 
-def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 0, per_step: int = 32) -> None:
+def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 0, per_step: int = 32,
+          allow_remote: bool = False) -> None:
     viewer = Viewer(run_dir, per_step)
-    server = make_server(viewer, host, port)
+    server = make_server(viewer, host, port, allow_remote)
     shown = f"[{host}]" if ":" in host else host
     print(f"turnrl view: http://{shown}:{server.server_address[1]}/  ({len(viewer.index.entries)} trajectories "
           f"from {viewer.index.path}; Ctrl-C stops)", flush=True)
