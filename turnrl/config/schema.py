@@ -52,6 +52,8 @@ class EngineConfig:
     max_batch_size: int = 64             # hf: sequences decoded together
     gather_ms: float = 5.0               # hf: how long a batch waits for more requests
     seed: int = 0
+    fast: Literal["auto", "on", "off"] = "auto"  # hf: the fast engine (slot KV cache of max_batch_size x
+    #                                      max_model_len, CUDA graphs, device sampling); auto: on CUDA
     # vLLM
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.5
@@ -61,6 +63,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0         # vllm on CPU: KV cache size (GPU: gpu_memory_utilization)
     max_lora_rank: int = 0               # vllm: > 0 adds a LoRA slot so adapters sync alone (>= model.lora.rank)
     enable_sleep_mode: bool = False      # vllm on GPU: allow engine.sleep()/wake_up() to free GPU memory
+    # Ray (trainer.placement colocated/split)
+    replicas: int = 0                    # engine replicas, each an actor on tensor_parallel_size GPUs (0: auto)
+    request_retries: int = 2             # a request whose replica died is retried on another this many times
 
     def validate(self) -> None:
         _positive("max_batch_size", self.max_batch_size)
@@ -68,6 +73,8 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        _positive("replicas", self.replicas, allow_zero=True)
+        _positive("request_retries", self.request_retries, allow_zero=True)
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ConfigError(f"'max_lora_rank' must be one of {VLLM_LORA_RANKS} (0 = no LoRA slot; vLLM's sizes), "
                               f"got {self.max_lora_rank}.")
@@ -260,6 +267,7 @@ class JudgeConfig:
 class RewardConfig:
     functions: list[str] = field(default_factory=list)   # built-in names or path.py:function
     weights: list[float] = field(default_factory=list)    # one per function; default 1.0 each
+    function_kwargs: list[dict[str, Any]] = field(default_factory=list)  # one per function: extra keyword arguments
     use_tool_rewards: bool = True
     use_interaction_rewards: bool = True
     accuracy_part: str | None = None     # reward part read as accuracy (default: first function, else interaction)
@@ -268,6 +276,9 @@ class RewardConfig:
     def validate(self) -> None:
         if self.weights and len(self.weights) != len(self.functions):
             raise ConfigError(f"'weights' has {len(self.weights)} entries for {len(self.functions)} functions.")
+        if self.function_kwargs and len(self.function_kwargs) != len(self.functions):
+            raise ConfigError(f"'function_kwargs' has {len(self.function_kwargs)} entries for {len(self.functions)} "
+                              "functions (one mapping per function, {} for none).")
 
 
 @dataclass
@@ -325,12 +336,24 @@ class TrainerConfig:
     epochs_per_step: int = 1             # PPO epochs over each rollout batch
     mini_batches: int = 1                # optimizer steps per epoch
     micro_batch_tokens: int = 4096       # token budget of one forward/backward
+    fused_head: Literal["auto", "on", "off"] = "auto"  # chunked logprobs without full logits; auto: on GPUs
+    compile: bool = False                # torch.compile each decoder layer (GPU)
     save_every: int = 0                  # 0 = only at the end
     keep_checkpoints: int = 2
     eval_every: int = 0
     resume: str | None = None            # "latest" or a checkpoint directory
     log_every: int = 1
     trajectories_per_step_saved: int = 16
+    # Scale-out on Ray (turnrl/distributed): local = this process only
+    placement: Literal["local", "colocated", "split"] = "local"  # colocated: engines share the trainer's GPUs
+    nodes: int = 1
+    gpus_per_node: int | None = None     # None: the Ray cluster's GPUs / nodes (0: CPU actors, gloo)
+    ranks: int = 0                       # training ranks (0: colocated every GPU, split the GPUs engines leave, CPU 1)
+    ray_address: str | None = None       # an existing cluster (ray://... or host:port); None: start Ray here
+    cpus_per_actor: float = 1.0
+    weight_sync: Literal["auto", "object_store", "broadcast", "ipc"] = "auto"
+    async_rollout: bool = False          # engines sample step k+1 while the trainer updates on step k
+    max_staleness: int = 1               # async: a batch trains at most this many policy versions after sampling
 
     def validate(self) -> None:
         _positive("steps", self.steps)
@@ -339,6 +362,20 @@ class TrainerConfig:
         _positive("micro_batch_tokens", self.micro_batch_tokens)
         _positive("save_every", self.save_every, allow_zero=True)
         _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("nodes", self.nodes)
+        if self.gpus_per_node is not None:
+            _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
+        _positive("ranks", self.ranks, allow_zero=True)
+        _positive("cpus_per_actor", self.cpus_per_actor)
+        _positive("max_staleness", self.max_staleness, allow_zero=True)
+        if self.placement == "local" and (self.async_rollout or self.nodes > 1 or self.ranks > 1):
+            raise ConfigError("'async_rollout', 'nodes' > 1 and 'ranks' > 1 run on Ray: set 'placement' to split "
+                              "(engines and trainer on their own GPUs) or colocated.")
+        if self.async_rollout and self.placement == "colocated":
+            raise ConfigError("'async_rollout' needs engines that keep running while the trainer updates: set "
+                              "'placement: split' (colocated engines sleep during updates).")
+        if self.async_rollout and self.max_staleness < 1:
+            raise ConfigError("'max_staleness' must be >= 1 with 'async_rollout' (0 is the synchronous loop).")
 
 
 @dataclass

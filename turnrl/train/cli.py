@@ -17,9 +17,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 @command("train", "run RL training: rollout -> rewards -> advantages -> update -> sync", _config_args)
 def cmd_train(a: argparse.Namespace) -> int:
-    from turnrl.train.trainer import Trainer
     cfg = load_config(a.config, a.overrides)
-    history = asyncio.run(Trainer(cfg).run())
+    if cfg.trainer.placement == "local":
+        from turnrl.train.trainer import Trainer
+        history = asyncio.run(Trainer(cfg).run())
+    else:  # engines and training ranks as Ray actors
+        from turnrl.distributed.trainer import DistributedTrainer
+        history = asyncio.run(DistributedTrainer(cfg).run())
     if history:
         n = max(1, len(history) // 4)
         first = sum(h["reward/mean"] for h in history[:n]) / n

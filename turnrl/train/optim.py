@@ -25,7 +25,9 @@ def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_step
                     ) -> tuple[torch.optim.Optimizer, Any]:
     if not params:
         raise ValueError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
+    fused = all(p.is_cuda for p in params)  # one kernel for all parameters on GPUs
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay,
+                                  fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(o.warmup_steps, total_steps, o.schedule, o.min_lr_ratio))
     return optimizer, scheduler

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from turnrl.algo.losses import entropy_from_logits, logprobs_from_logits
+from turnrl.train.fused_head import linear_logprobs
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -76,28 +77,54 @@ class Reference:
 
 def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      position_ids: torch.Tensor, temperature: float = 1.0, amp: torch.dtype | None = None,
-                     with_entropy: bool = False, entropy_grad: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, entropy_grad: bool = False, fused_head: bool = False,
+                     select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None), both aligned to token positions (column 0 is 0).
-    The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it costs none."""
+    The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it costs none.
+    `fused_head` computes the logprobs chunk by chunk from the hidden states (`turnrl.train.fused_head`)
+    instead of materialising the [B, T, V] logits, and then only at the token positions `select` [B, T]
+    marks (others are 0): an update needs the policy tokens' logprobs, not the prompt's or the tools'."""
     device_type = input_ids.device.type
     ctx = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
-    with ctx:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False).logits
-    logits = logits[:, :-1]
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    lp = logprobs_from_logits(logits, input_ids[:, 1:])
-    ent = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = entropy_from_logits(logits if entropy_grad else logits.detach())
+    temperature = 1.0 if temperature == 0.0 else temperature
+    head = _output_head(model) if fused_head and not entropy_grad else None
+    if head is not None:
+        decoder, weight = head
+        with ctx:
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state
+        lp, ent = linear_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature,
+                                  compute_dtype=amp or hidden.dtype,
+                                  select=None if select is None else select[:, 1:].bool())
+        ent = ent if with_entropy else None
+    else:
+        with ctx:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).logits
+        logits = logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        lp = logprobs_from_logits(logits, input_ids[:, 1:])
+        ent = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = entropy_from_logits(logits if entropy_grad else logits.detach())
     zero = torch.zeros_like(lp[:, :1])
     lp = torch.cat([zero, lp], dim=1)
     if ent is not None:
         ent = torch.cat([zero, ent], dim=1)
     return lp, ent
+
+
+def _output_head(model: Any) -> tuple[Any, torch.Tensor] | None:
+    """(decoder, lm_head weight) of a causal LM (also under peft), or None when the head is not a plain
+    bias-free linear layer (then the logits path is used)."""
+    base = model.get_base_model() if is_lora(model) else model
+    get_decoder = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if get_decoder is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    return get_decoder(), head.weight
 
 
 def _base_name(name: str) -> str:
@@ -157,3 +184,15 @@ def forward_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.T
         out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     values = out[..., 0].float()[:, :-1]
     return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
+
+
+def compile_layers(model: Any) -> None:
+    """torch.compile every decoder layer in place: identical layers share one compiled graph, so compiling
+    costs about one layer's worth; elementwise work (norms, rotary, SwiGLU, residuals) fuses into few kernels."""
+    base = model.get_base_model() if is_lora(model) else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError("trainer.compile: cannot find the model's decoder layers; set trainer.compile=false")
+    for layer in layers:
+        layer.compile(dynamic=True)

@@ -36,7 +36,7 @@ from turnrl.rollout.scheduler import run_batch, summarize
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.batching import Rows
 from turnrl.train.optim import build_optimizer
-from turnrl.train.policy import (Reference, autocast_dtype, export_weights, load_critic, load_policy,
+from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, load_critic, load_policy,
                                  trainable_parameters)
 from turnrl.train.update import UpdateSettings, compute_advantages, logprob_pass, policy_update
 
@@ -70,21 +70,83 @@ class DataOrder:
         return out
 
 
-def settings_from(cfg: Config) -> UpdateSettings:
+def settings_from(cfg: Config, device: torch.device | None = None) -> UpdateSettings:
     a, t = cfg.algo, cfg.trainer
+    fused_head = t.fused_head == "on" or (t.fused_head == "auto" and device is not None and device.type == "cuda")
     if a.kl_in_reward and a.advantage in ("grpo", "drgrpo", "rloo") and not a.turn_level:
         raise ValueError("algo.kl_in_reward needs token-level returns: use reinforce_pp(_baseline) or "
                          "algo.turn_level=true, or put the KL in the loss (kl_in_reward=false).")
     return UpdateSettings(a.advantage, a.gamma, a.lam, a.turn_level, a.clip_low, a.clip_high, a.dual_clip,
                           a.loss_agg, a.kl_coef, a.kl_type, a.kl_in_reward, a.entropy_coef, a.tis_cap,
                           a.value_clip, a.value_coef, t.epochs_per_step, t.mini_batches, t.micro_batch_tokens, t.optim.grad_clip,
-                          cfg.rollout.sampling.temperature or 1.0)
+                          cfg.rollout.sampling.temperature or 1.0, fused_head)
 
 
 def accuracy_of(traj: Trajectory, part: str | None, functions: list[str]) -> float | None:
     key = part or (functions[0] if functions else "interaction")
     value = traj.reward_parts.get(key)
     return None if value is None else float(value >= 1.0)
+
+
+def batch_rows(trajs: list[Trajectory], turn_level: bool, pad_id: int, device: torch.device
+               ) -> tuple[Any, Rows, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch, rows, valid [N], rewards [N], groups [N]): the trajectories as training rows on `device`, with
+    the engine's logprobs as the old ones until a trainer pass replaces them."""
+    batch = to_batch(trajs, turn_rewards=turn_level, pad_id=pad_id)
+    traj_rewards = torch.tensor([t.reward for t in trajs], device=device)
+    keys: dict[str, int] = {}
+    traj_groups = torch.tensor([keys.setdefault(t.group_id, len(keys)) for t in trajs], device=device)
+    valid = torch.tensor([not t.masked for t in trajs], device=device)
+    loss_mask = batch.loss_mask.to(device)
+    rows = Rows(batch.input_ids.to(device), batch.attention_mask.to(device), batch.position_ids.to(device), loss_mask,
+                batch.old_logprobs.to(device).clone(), batch.old_logprobs.to(device), torch.zeros_like(loss_mask))
+    return batch, rows, valid, traj_rewards, traj_groups
+
+
+def step_metrics(trajs: list[Trajectory], rows: Rows, t_rollout: float, reward_names: list[str],
+                 accuracy_part: str | None) -> dict[str, Any]:
+    """The step's metrics from its trajectories and training rows (rewards, turns, errors, mismatch)."""
+    s = summarize(trajs, t_rollout)
+    rewards = [t.reward for t in trajs if not t.masked] or [0.0]
+    acc = [a for a in (accuracy_of(t, accuracy_part, reward_names) for t in trajs) if a is not None]
+    m: dict[str, Any] = {
+        "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
+        "reward/min": float(np.min(rewards)), "reward/max": float(np.max(rewards)),
+        "turns/mean": s["turns_mean"], "tool/calls": s["tool_calls"], "tool/errors": s["tool_errors"],
+        "masked": s["masked"], "response_tokens/mean": s["response_tokens_mean"],
+        "throughput/tokens_per_s": s["policy_tokens_per_s"], "trajectories": len(trajs)}
+    if acc:
+        m["accuracy"] = float(np.mean(acc))
+    for key in s:
+        if key.startswith(("termination/", "errors/", "parity/")):
+            m[key] = s[key]
+    for part in sorted({k for t in trajs for k in t.reward_parts}):
+        have = [t.reward_parts[part] for t in trajs if part in t.reward_parts and not t.masked]
+        if have:  # the mean over the trajectories that were scored on this part
+            m[f"reward/{part}"] = float(np.mean(have))
+    for key in sorted({k for t in trajs for k, v in t.metrics.items() if "/" in k and isinstance(v, (int, float))}):
+        m[key] = float(np.mean([t.metrics[key] for t in trajs if isinstance(t.metrics.get(key), (int, float))]))
+    m.update(llm_usage_metrics())  # judge / simulated-user calls and tokens since the last step
+    mask = rows.loss_mask > 0
+    if mask.any():
+        diff = (rows.old_logprobs - rows.engine_logprobs)[mask]
+        m["mismatch/mean_abs"] = float(diff.abs().mean())
+        m["mismatch/max_abs"] = float(diff.abs().max())
+        m["mismatch/kl"] = float((torch.exp(-diff) + diff - 1).mean())  # k3 estimate of KL(engine || trainer)
+    return m
+
+
+def save_samples(path: Path, trajs: list[Trajectory], batch: Any, rows: Rows, keep: int, step: int) -> None:
+    """Append the first `keep` trajectories of the step, with their advantage and trainer logprobs."""
+    if keep <= 0:
+        return
+    chosen = trajs[:keep]
+    for ti, traj in enumerate(chosen):
+        row = int((batch.traj_index == ti).nonzero()[-1])
+        mask = rows.loss_mask[row] > 0
+        traj.metrics["advantage"] = float(rows.advantages[row][mask].mean()) if mask.any() else 0.0
+        traj.metrics["trainer_logprobs"] = rows.old_logprobs[row][: len(traj.segment)].tolist()
+    write_trajectories(path, chosen, append=True, step=step, split="train")
 
 
 class Trainer:
@@ -94,8 +156,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(dump_yaml(cfg))
         seed_everything(cfg.seed)
-        self.settings = settings_from(cfg)
         self.device = resolve_device(cfg.trainer.device)
+        self.settings = settings_from(cfg, self.device)
         self.amp = autocast_dtype(cfg.trainer.dtype, self.device)
         self.model_dir = resolve(cfg.model.name)
         d = cfg.data.train
@@ -110,6 +172,8 @@ class Trainer:
         self.policy = load_policy(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.dropout,
                                   lora.target_modules, cfg.model.gradient_checkpointing)
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
+        if cfg.trainer.compile:
+            compile_layers(self.policy)
         self.params = trainable_parameters(self.policy)
         self.critic = None
         if self.settings.advantage == "gae":  # PPO: a value model initialised from the policy's weights
@@ -218,16 +282,10 @@ class Trainer:
 
     def _prepare(self, trajs: list[Trajectory]) -> tuple[Rows, Any, float]:
         t0 = time.perf_counter()
-        batch = to_batch(trajs, turn_rewards=self.settings.turn_level,
-                         pad_id=self.template.tokenizer.pad_token_id or 0)
         dev = self.device
-        traj_rewards = torch.tensor([t.reward for t in trajs], device=dev)
-        keys: dict[str, int] = {}
-        traj_groups = torch.tensor([keys.setdefault(t.group_id, len(keys)) for t in trajs], device=dev)
-        valid = torch.tensor([not t.masked for t in trajs], device=dev)
-        loss_mask = batch.loss_mask.to(dev)
-        rows = Rows(batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.position_ids.to(dev), loss_mask,
-                    batch.old_logprobs.to(dev).clone(), batch.old_logprobs.to(dev), torch.zeros_like(loss_mask))
+        batch, rows, valid, traj_rewards, traj_groups = batch_rows(
+            trajs, self.settings.turn_level, self.template.tokenizer.pad_token_id or 0, dev)
+        loss_mask = rows.loss_mask
         if self.reference is not None:
             with self.reference.model() as ref:
                 rows.ref_logprobs = logprob_pass(ref, rows, self.settings, self.amp)
@@ -246,47 +304,11 @@ class Trainer:
         return rows, batch, time.perf_counter() - t0
 
     def _metrics(self, trajs: list[Trajectory], rows: Rows, t_rollout: float) -> dict[str, Any]:
-        s = summarize(trajs, t_rollout)
-        rewards = [t.reward for t in trajs if not t.masked] or [0.0]
-        names = [f.name for f in self.rewards]
-        acc = [a for a in (accuracy_of(t, self.cfg.reward.accuracy_part, names) for t in trajs) if a is not None]
-        m: dict[str, Any] = {
-            "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
-            "reward/min": float(np.min(rewards)), "reward/max": float(np.max(rewards)),
-            "turns/mean": s["turns_mean"], "tool/calls": s["tool_calls"], "tool/errors": s["tool_errors"],
-            "masked": s["masked"], "response_tokens/mean": s["response_tokens_mean"],
-            "throughput/tokens_per_s": s["policy_tokens_per_s"], "trajectories": len(trajs)}
-        if acc:
-            m["accuracy"] = float(np.mean(acc))
-        for key in s:
-            if key.startswith(("termination/", "errors/", "parity/")):
-                m[key] = s[key]
-        for part in sorted({k for t in trajs for k in t.reward_parts}):
-            have = [t.reward_parts[part] for t in trajs if part in t.reward_parts and not t.masked]
-            if have:  # the mean over the trajectories that were scored on this part
-                m[f"reward/{part}"] = float(np.mean(have))
-        for key in sorted({k for t in trajs for k, v in t.metrics.items() if "/" in k and isinstance(v, (int, float))}):
-            m[key] = float(np.mean([t.metrics[key] for t in trajs if isinstance(t.metrics.get(key), (int, float))]))
-        m.update(llm_usage_metrics())  # judge / simulated-user calls and tokens since the last step
-        mask = rows.loss_mask > 0
-        if mask.any():
-            diff = (rows.old_logprobs - rows.engine_logprobs)[mask]
-            m["mismatch/mean_abs"] = float(diff.abs().mean())
-            m["mismatch/max_abs"] = float(diff.abs().max())
-            m["mismatch/kl"] = float((torch.exp(-diff) + diff - 1).mean())  # k3 estimate of KL(engine || trainer)
-        return m
+        return step_metrics(trajs, rows, t_rollout, [f.name for f in self.rewards], self.cfg.reward.accuracy_part)
 
     def _save_samples(self, trajs: list[Trajectory], batch: Any, rows: Rows, step: int) -> None:
-        keep = self.cfg.trainer.trajectories_per_step_saved
-        if keep <= 0:
-            return
-        chosen = trajs[:keep]
-        for ti, traj in enumerate(chosen):
-            row = int((batch.traj_index == ti).nonzero()[-1])
-            mask = rows.loss_mask[row] > 0
-            traj.metrics["advantage"] = float(rows.advantages[row][mask].mean()) if mask.any() else 0.0
-            traj.metrics["trainer_logprobs"] = rows.old_logprobs[row][: len(traj.segment)].tolist()
-        write_trajectories(self.out / "trajectories.jsonl", chosen, append=True, step=step, split="train")
+        save_samples(self.out / "trajectories.jsonl", trajs, batch, rows, self.cfg.trainer.trajectories_per_step_saved,
+                     step)
 
     async def evaluate(self, step: int) -> dict[str, Any]:
         sampling = sampling_from(self.cfg.rollout).with_(temperature=0.0)

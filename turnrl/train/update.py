@@ -44,6 +44,7 @@ class UpdateSettings:
     micro_batch_tokens: int = 4096
     grad_clip: float = 1.0
     temperature: float = 1.0
+    fused_head: bool = False
 
     @property
     def single_pass(self) -> bool:
@@ -99,7 +100,7 @@ def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | N
                 result = forward_values(model, mb.input_ids, mb.attention_mask, mb.position_ids, amp)
             else:
                 result, _ = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
-                                             s.temperature, amp)
+                                             s.temperature, amp, fused_head=s.fused_head, select=mb.loss_mask > 0)
             out[index.to(out.device), :width] = result.float()
     return out
 
@@ -121,7 +122,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
             optimizer.zero_grad(set_to_none=True)
             for index, width in micro_batches(mini, rows.lengths.cpu(), s.micro_batch_tokens):
                 mb = rows.select(index.to(rows.input_ids.device), width)
-                _micro_step(model, mb, index, rows, s, amp, normalizer, stats, critic)
+                micro_step(model, mb, index, rows, s, amp, normalizer, stats, critic)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
             optimizer.step()
             scheduler.step()
@@ -129,10 +130,13 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     return {k: sum(v) / len(v) for k, v in stats.items() if v}
 
 
-def _micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateSettings,
-                amp: torch.dtype | None, normalizer: float, stats: dict[str, list[float]], critic: Any = None) -> None:
+def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateSettings,
+               amp: torch.dtype | None, normalizer: float, stats: dict[str, list[float]], critic: Any = None) -> float:
+    """Forward and backward of one micro-batch; returns its loss, its share of the mini-batch objective
+    (the shares of all micro-batches, on all ranks, add up to the mini-batch's loss)."""
     logprobs, entropy = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
-                                         s.temperature, amp, with_entropy=True, entropy_grad=s.entropy_coef > 0)
+                                         s.temperature, amp, with_entropy=True, entropy_grad=s.entropy_coef > 0,
+                                         fused_head=s.fused_head, select=mb.loss_mask > 0)
     logprobs = logprobs.float()
     mask = mb.loss_mask
     if s.single_pass:
@@ -164,6 +168,7 @@ def _micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: Update
     _add(stats, "approx_kl/old", float(out.approx_kl))
     if weights is not None:
         _add(stats, "tis/weight_mean", float(masked_mean(weights, mask)))
+    return float(loss.detach())
 
 
 def _share(mask: torch.Tensor, normalizer: float, agg: str) -> float:
