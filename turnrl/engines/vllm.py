@@ -133,6 +133,8 @@ class VLLMEngine:
         self.model_path = Path(model_path)
         self.seed = seed
         self.version = 0
+        self.in_flight = 0                 # requests submitted and not yet answered (for progress)
+        self.truncated_sampling = False    # top-p/top-k logprobs would not be the full distribution's
         self.vllm_version = vllm.__version__
         args: dict[str, Any] = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -205,11 +207,14 @@ class VLLMEngine:
         req = _Request(f"turnrl-{n}", loop, loop.create_future(), list(prompt_ids), params,
                        self._adapters[-1].request if self._adapters else None)
         self._inbox.put(("add", req))
+        self.in_flight += 1
         try:
             return await req.future
         except asyncio.CancelledError:
             self._inbox.put(("abort", req.rid))
             raise
+        finally:
+            self.in_flight -= 1
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load (name, tensor) pairs under the HF model's names in place, then drop the prefix cache."""

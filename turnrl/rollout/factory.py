@@ -65,9 +65,10 @@ def load_template(model_dir: str | Path) -> ChatTemplate:
 
 def build_engine(cfg: EngineConfig, model_dir: str | Path) -> Engine:
     if cfg.kind == "hf":
-        from turnrl.engines.hf import HFEngine
-        return HFEngine(str(model_dir), device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size,
-                        gather_ms=cfg.gather_ms, seed=cfg.seed)
+        from turnrl.engines.fast import build_hf_engine
+        return build_hf_engine(str(model_dir), cfg.fast, device=cfg.device, dtype=cfg.dtype,
+                               max_batch_size=cfg.max_batch_size, max_len=cfg.max_model_len, gather_ms=cfg.gather_ms,
+                               seed=cfg.seed)
     if cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMEngine
         return VLLMEngine.from_config(str(model_dir), cfg)
@@ -81,6 +82,10 @@ def sampling_from(cfg: RolloutConfig) -> Sampling:
 
 def build_loop(cfg: RolloutConfig, engine: Engine, template: ChatTemplate, env: Environment, seed: int,
                sampling: Sampling | None = None, policy_version: int = 0) -> AgentLoop:
+    s = sampling or sampling_from(cfg)
+    if getattr(engine, "truncated_sampling", True) is False and (s.top_p < 1.0 or s.top_k > 0):
+        raise ValueError("this engine cannot report full-distribution logprobs under top-p/top-k: set "
+                         "rollout.sampling.top_p=1 and rollout.sampling.top_k=0, or use engine.kind=hf")
     limits = Limits(cfg.max_assistant_turns, cfg.max_user_turns, cfg.max_response_tokens, cfg.max_context_tokens)
-    return AgentLoop(engine, template, get_parser(cfg.tool_parser), env, limits, sampling or sampling_from(cfg),
+    return AgentLoop(engine, template, get_parser(cfg.tool_parser), env, limits, s,
                      cfg.on_mismatch, seed, policy_version)

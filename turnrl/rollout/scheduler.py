@@ -43,6 +43,7 @@ def summarize(trajectories: list[Trajectory], seconds: float) -> dict[str, Any]:
         "turns_mean": sum(len(t.turns) for t in trajectories) / n,
         "tool_calls": calls,
         "tool_calls_per_traj": calls / n,
+        "tool_call_rate": sum(any(turn.tool_calls for turn in t.turns) for t in trajectories) / n,
         "tool_errors": sum(v for k, v in errors.items() if k.startswith("tool")),
         "masked": sum(t.masked for t in trajectories),
         "policy_tokens": policy,

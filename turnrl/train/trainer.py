@@ -36,8 +36,8 @@ from turnrl.rollout.scheduler import run_batch, summarize
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.batching import Rows
 from turnrl.train.optim import build_optimizer
-from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, load_critic, load_policy,
-                                 trainable_parameters)
+from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, is_lora, load_critic,
+                                 load_policy, trainable_parameters)
 from turnrl.train.update import UpdateSettings, compute_advantages, logprob_pass, policy_update
 
 
@@ -204,8 +204,15 @@ class Trainer:
         print(f"[turnrl] resumed from {path} at step {self.start_step}", flush=True)
 
     async def sync_weights(self, version: int) -> float:
+        """New weights into the engine: the adapter alone when the engine serves LoRA adapters
+        (vLLM with engine.max_lora_rank >= model.lora.rank), else the changed weights (LoRA merged) in place."""
         start = time.perf_counter()
-        await self.engine.update_weights(export_weights(self.policy), version)
+        if is_lora(self.policy) and getattr(self.engine, "lora_enabled", False):
+            from peft import get_peft_model_state_dict
+            config = self.policy.peft_config["default"].to_dict()
+            await self.engine.update_lora(get_peft_model_state_dict(self.policy), config, version)
+        else:
+            await self.engine.update_weights(export_weights(self.policy), version)
         return time.perf_counter() - start
 
     async def run(self) -> list[dict[str, Any]]:
