@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 def _register_optional_commands() -> None:
     """Commands that live with their subsystem register themselves here."""
     import importlib
-    for module in ("turnrl.train.cli", "turnrl.bench.cli", "turnrl.observe.cli"):
+    for module in ("turnrl.train.cli", "turnrl.bench.cli", "turnrl.observe.cli", "turnrl.compat.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -128,3 +128,13 @@ def test_blank_lines_are_skipped_and_positions_count_rows(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n" + json.dumps({"messages": "a"}) + "\n\n" + json.dumps({"messages": "b"}) + "\n")
     assert [(t.uid, t.index) for t in load_rows(path)] == [("row-0", 0), ("row-1", 1)]
+
+
+def test_verl_agent_names_run_one_loop_and_unknown_ones_are_errors():
+    row = dict(VERL_ROW, agent_name="single_turn_agent")
+    assert task_from_row(row, 0, "x").tools is None        # it asks for tools: multi-turn whatever the name says
+    bare = {"prompt": VERL_ROW["prompt"], "agent_name": "single_turn_agent"}
+    assert task_from_row(bare, 0, "x").tools == []         # it asks for nothing: one turn, no tools, as in verl
+    assert task_from_row({**bare, "agent_name": "tool_agent"}, 0, "x").tools is None
+    with pytest.raises(DataError, match="unknown agent_name 'react_agent'; known: tool_agent, single_turn_agent"):
+        task_from_row({**bare, "agent_name": "react_agent"}, 3, "data.parquet:row 3")

@@ -1,11 +1,13 @@
-"""`turnrl bench rollout`: multi-turn rollout throughput against the same engine's offline throughput."""
+"""`turnrl bench rollout|train|step|compare|engine`: each prints a table and writes JSON."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from turnrl.cli import command
 from turnrl.config import load_config
@@ -27,9 +29,67 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--temperature", type=float, default=None, help="rollout.sampling.temperature")
     q.add_argument("--json", required=True, help="where to write the report")
 
+    q = sub.add_parser("train", help="update-path training throughput (tokens/s, MFU) on synthetic multi-turn rows")
+    q.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. trainer.micro_batch_tokens=8192")
+    q.add_argument("--config", default=None, help="YAML config (algo, trainer, model.lora); defaults otherwise")
+    q.add_argument("--model", default=None, help="model spec, or a shape model: qwen2.5-0.5b-shape, "
+                   "smollm2-135m-shape, tiny-shape (random init, no download); default: the config's")
+    q.add_argument("--batch", type=int, default=32, help="rows per update (default 32: 4 prompts x 8 samples)")
+    q.add_argument("--seq-len", type=int, default=512, help="longest row; rows are uniform in [T/2, T]")
+    q.add_argument("--min-fraction", type=float, default=0.5, help="shortest row as a fraction of --seq-len")
+    q.add_argument("--lora-rank", type=int, default=None, help="model.lora.rank (0: full fine-tuning); "
+                   "with no --lora-alpha, alpha = 2 x rank")
+    q.add_argument("--lora-alpha", type=float, default=None)
+    q.add_argument("--steps", type=int, default=3, help="updates per repeat")
+    q.add_argument("--warmup", type=int, default=1, help="updates before timing")
+    q.add_argument("--repeats", type=int, default=3)
+    q.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak FLOP/s for MFU (default: 790 on an H200, else unknown and MFU is left out)")
+    q.add_argument("--json", required=True, help="where to write the report")
+
+    q = sub.add_parser("step", help="end-to-end RL step time split into rollout/reward/logprob/update/sync")
+    q.add_argument("config", help="YAML config")
+    q.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. engine.kind=hf")
+    q.add_argument("--steps", type=int, default=3, help="measured steps")
+    q.add_argument("--warmup", type=int, default=1, help="steps before them, left out of the summary")
+    q.add_argument("--out", default=None, help="run directory to keep (default: a temporary one)")
+    q.add_argument("--json", required=True, help="where to write the report")
+
+    q = sub.add_parser("compare", help="ratios per figure of two reports, or run `bench step` on two configs")
+    q.add_argument("reports", nargs="*", help="A.json B.json (two benchmark reports of the same kind)")
+    q.add_argument("--configs", nargs=2, metavar=("A.yaml", "B.yaml"), default=None,
+                   help="run `turnrl bench step` on both configs, then compare")
+    q.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides for both configs (with --configs)")
+    q.add_argument("--steps", type=int, default=3)
+    q.add_argument("--warmup", type=int, default=1)
+    q.add_argument("--json", default=None, help="also write the comparison (with both reports) here")
+
+    q = sub.add_parser("engine", help="decode tok/s of model.generate, the HF engine and the fast engine, one workload")
+    q.add_argument("--model", default="qwen2.5-0.5b-shape", help="a shape model (qwen2.5-0.5b-shape, "
+                   "smollm2-135m-shape, tiny-shape: random init) or a model spec")
+    q.add_argument("--batch", type=int, default=256, help="requests, all submitted at once")
+    q.add_argument("--prompt", type=int, default=256, help="prompt tokens per request (random ids)")
+    q.add_argument("--new", type=int, default=256, help="tokens each request generates (no stop token)")
+    q.add_argument("--variants", default="generate,hf,fast,fast-compile",
+                   help="comma-separated: generate, hf, fast (CUDA graphs), fast-compile (+ torch.compile)")
+    q.add_argument("--device", default="auto")
+    q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    q.add_argument("--json", required=True, help="where to write the report (rewritten after each variant)")
+
 
 @command("bench", "benchmarks (each prints a table and writes JSON)", _bench_args)
 def cmd_bench(a: argparse.Namespace) -> int:
+    return {"rollout": _rollout, "train": _train, "step": _step, "compare": _compare, "engine": _engine}[a.bench](a)
+
+
+def _write(path: str, report: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+
+
+def _rollout(a: argparse.Namespace) -> int:
     from turnrl.bench.rollout import bench_rollout, format_report
     from turnrl.data import load_dataset
     from turnrl.models import resolve
@@ -44,7 +104,82 @@ def cmd_bench(a: argparse.Namespace) -> int:
     report = asyncio.run(bench_rollout(resolve(cfg.model.name), cfg.engine, cfg.rollout, tasks, a.repeats,
                                        cfg.seed))
     print(format_report(report))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {a.json}")
+    _write(a.json, report)
+    return 0
+
+
+def _train(a: argparse.Namespace) -> int:
+    from turnrl.bench.train import bench_train, format_report
+
+    rank = 32 if a.lora_rank is None and a.config is None else a.lora_rank   # the main job's LoRA by default
+    flags = [f"model.name={a.model}" if a.model else None,
+             f"model.lora.rank={rank}" if rank is not None else None,
+             f"model.lora.alpha={a.lora_alpha if a.lora_alpha is not None else 2 * rank}" if rank else None]
+    cfg = load_config(a.config, [f for f in flags if f] + list(a.overrides))
+    if a.batch < 1 or a.seq_len < 4:
+        raise SystemExit("error: --batch must be >= 1 and --seq-len >= 4")
+    try:
+        report = bench_train(cfg, a.batch, a.seq_len, a.steps, a.repeats, a.warmup, a.peak_tflops, a.min_fraction)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(format_report(report))
+    _write(a.json, report)
+    return 0
+
+
+def _step(a: argparse.Namespace) -> int:
+    from turnrl.bench.step import bench_step, format_report
+
+    cfg = load_config(a.config, list(a.overrides))
+    try:
+        report = asyncio.run(bench_step(cfg, a.steps, a.warmup, a.out))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(format_report(report))
+    _write(a.json, report)
+    return 0
+
+
+def _compare(a: argparse.Namespace) -> int:
+    from turnrl.bench.compare import compare, format_comparison, run_step_reports
+
+    if a.configs and a.reports:
+        raise SystemExit("error: give two report files or --configs A.yaml B.yaml, not both")
+    if a.configs:
+        if a.json:
+            out_dir = Path(a.json).with_suffix("")
+            reports = run_step_reports(a.configs, a.overrides, a.steps, a.warmup, out_dir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="turnrl-compare-") as tmp:
+                reports = run_step_reports(a.configs, a.overrides, a.steps, a.warmup, Path(tmp))
+        names = tuple(a.configs)
+    elif len(a.reports) == 2:
+        reports = [json.loads(Path(p).read_text()) for p in a.reports]
+        names = tuple(a.reports)
+    else:
+        raise SystemExit("error: bench compare needs two report files (A.json B.json) or --configs A.yaml B.yaml")
+    try:
+        result = compare(*reports)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(format_comparison(result, names))
+    if a.json:
+        _write(a.json, {**result, "names": list(names), "a": reports[0], "b": reports[1]})
+    return 0
+
+
+def _engine(a: argparse.Namespace) -> int:
+    from turnrl.bench.engine import bench_engine, format_report
+
+    def checkpoint(report: dict[str, Any]) -> None:   # a later variant that crashes the process loses nothing
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=2))
+
+    try:
+        report = bench_engine(a.model, a.batch, a.prompt, a.new, [v for v in a.variants.split(",") if v], a.device,
+                              a.dtype, on_variant=checkpoint)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(format_report(report))
+    _write(a.json, report)
     return 0

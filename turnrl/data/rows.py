@@ -4,6 +4,11 @@ turnrl row: `messages` (chat list), optional `tools` (names; default: every conf
 `tools_kwargs` ({tool: create kwargs}), `interaction` ({name, ...start kwargs}), `ground_truth`,
 `data_source`, `extra` (anything). verl row: `prompt`, `reward_model.ground_truth`, `data_source`,
 `agent_name`, `extra_info.{index, tools_kwargs[tool].create_kwargs, interaction_kwargs{name, ...}}`.
+
+verl picks an agent loop per row by `agent_name` and silently runs a row without one single-turn. turnrl
+runs one loop for every row: a row that asks for tools (`tools_kwargs`) or an interaction is multi-turn
+whatever its `agent_name`; `single_turn_agent` on a row that asks for neither gets no tools (one turn, as in
+verl); any other name is an error that lists the known ones (`AGENT_NAMES`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
+AGENT_NAMES = ("tool_agent", "single_turn_agent", "collabllm_agent")   # verl's agent loops, all run by ours
 VERL_TOOL_KWARGS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 
 
@@ -107,12 +113,18 @@ def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
     tools = row.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)):
         raise DataError(f"{where}: 'tools' must be a list of tool names")
+    agent_name = row.get("agent_name") or None
+    if agent_name is not None and agent_name not in AGENT_NAMES:
+        raise DataError(f"{where}: unknown agent_name {agent_name!r}; known: {', '.join(AGENT_NAMES)} (turnrl runs "
+                        "one agent loop: a row with tools or an interaction is multi-turn whatever its agent_name)")
+    if agent_name == "single_turn_agent" and tools is None and not tools_kwargs and interaction is None:
+        tools = []
     idx = extra_info.get("index", row.get("index", index))
     return Task(uid=str(row.get("uid", f"{row.get('data_source', 'row')}-{idx}")), messages=messages,
                 tools=tools, tools_kwargs=tools_kwargs, interaction=dict(interaction) if interaction else None,
                 ground_truth=ground_truth, data_source=str(row.get("data_source", "")),
                 extra=dict(row.get("extra", extra_info)), index=int(idx) if isinstance(idx, int) else index,
-                agent_name=row.get("agent_name"))
+                agent_name=agent_name)
 
 
 def load_rows(path: str | Path) -> list[Task]:

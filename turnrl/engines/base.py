@@ -23,6 +23,7 @@ class Sampling:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None        # per-request seed: the same request samples the same tokens
+    session: str | None = None     # the trajectory asking: a router keeps a session on one replica (prefix cache)
 
     def with_(self, **changes: Any) -> "Sampling":
         return replace(self, **changes)

@@ -7,6 +7,7 @@ message. Sync or async. A function that raises or returns something else is reco
 that trajectory (masked out of the loss), never a silent zero; one that raises `RewardError` names the
 error's kind itself (e.g. `judge`) and keeps what the attempt cost. A function object with a `bind(context)`
 method gets the policy's rollout context (`bind_rollout`), e.g. the LLM judge's CollabLLM futures.
+`reward.function_kwargs` gives a function fixed keyword arguments (verl's `custom_reward_function.reward_kwargs`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib.util
 import inspect
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from turnrl.config.loader import ConfigError
@@ -85,6 +86,7 @@ class RewardFunction:
     fn: Callable[..., Any]
     weight: float = 1.0
     verl_style: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)   # fixed keyword arguments (verl's reward_kwargs)
 
     async def __call__(self, traj: Trajectory) -> Any:
         if self.verl_style:
@@ -95,13 +97,13 @@ class RewardFunction:
             params = inspect.signature(self.fn).parameters
             if not any(p.kind == p.VAR_KEYWORD for p in params.values()):  # e.g. f(solution_str, ground_truth)
                 args = {k: v for k, v in args.items() if k in params}
-            result = self.fn(**args)
+            result = self.fn(**args, **self.kwargs)
         else:
-            result = self.fn(traj)
+            result = self.fn(traj, **self.kwargs)
         return await result if inspect.isawaitable(result) else result
 
 
-def load_reward_function(name: str, weight: float = 1.0) -> RewardFunction:
+def load_reward_function(name: str, weight: float = 1.0, kwargs: dict[str, Any] | None = None) -> RewardFunction:
     from turnrl.env.loading import import_object
     if name not in BUILTIN and ":" not in name and "." not in name:
         raise ConfigError(f"unknown reward function '{name}': built-ins are {', '.join(BUILTIN)}; "
@@ -112,7 +114,13 @@ def load_reward_function(name: str, weight: float = 1.0) -> RewardFunction:
     if not callable(fn):
         raise ConfigError(f"reward function '{name}' is not callable")
     params = inspect.signature(fn).parameters
-    return RewardFunction(name, fn, weight, verl_style="solution_str" in params)
+    kwargs = dict(kwargs or {})
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise ConfigError(f"reward function '{name}' takes no argument(s) {unknown} given in function_kwargs; "
+                              f"its parameters: {', '.join(params)}")
+    return RewardFunction(name, fn, weight, verl_style="solution_str" in params, kwargs=kwargs)
 
 
 def _as_score(name: str, value: Any) -> tuple[float, dict[str, float]]:

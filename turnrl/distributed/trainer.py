@@ -1,0 +1,298 @@
+"""The RL loop on Ray: the single-process trainer's steps, with engines and training ranks as actors.
+
+The driver (this process) keeps what is cheap and central: the data order, the agent loops (one coroutine per
+trajectory, talking to the router), rewards, advantages, metrics and logs. Engine replicas
+(`turnrl.distributed.replicas`) sample; training ranks (`turnrl.distributed.ranks`) hold the sharded policy and
+run the update; `turnrl.distributed.sync` moves weights from ranks to replicas; `turnrl.distributed.async_rollout`
+decides when each batch starts (synchronous, or pipelined under `trainer.max_staleness`).
+
+One step: take batch b (trajectories + rewards) -> rows on the driver (`batch_rows`) -> logprob passes on the
+ranks when needed (reference KL; several epochs or mini-batches) -> advantages on the driver
+(`compute_advantages`) -> the update on the ranks (a plan from `turnrl.distributed.balance`) -> weight sync ->
+metrics, samples, checkpoint. The same functions as `turnrl.train.trainer` compute rows, advantages and
+metrics, so a step here matches a local step on the same batch.
+
+Not supported here (each a clear error at start): PPO's critic (`algo.advantage=gae`) and periodic evaluation
+(`trainer.eval_every` with `data.eval`; run `turnrl eval` on a checkpoint instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from turnrl.config import Config, dump_yaml, to_dict
+from turnrl.data import Task, load_dataset
+from turnrl.distributed import placement as place
+from turnrl.distributed.async_rollout import Pipeline
+from turnrl.distributed.balance import plan_mini, plan_passes
+from turnrl.distributed.ranks import RankGroup, RankSpec, TrainRank, merge_updates
+from turnrl.distributed.replicas import EngineReplica, ReplicaPool
+from turnrl.distributed.router import Router
+from turnrl.distributed.sync import WeightSync, resolve_transport
+from turnrl.ledger import Source, Trajectory
+from turnrl.llm import close_all as close_llm_clients
+from turnrl.models import resolve
+from turnrl.observe.metrics import MetricsLogger, drop_steps_from
+from turnrl.observe.plots import refresh_plots
+from turnrl.observe.progress import Progress
+from turnrl.rewards.collab import RolloutContext
+from turnrl.rewards.functions import bind_rollout, score_all
+from turnrl.rollout.factory import build_environment, build_loop, load_template
+from turnrl.rollout.run import reward_functions
+from turnrl.rollout.scheduler import run_batch
+from turnrl.train import checkpoint as ckpt
+from turnrl.train.batching import mini_batches
+from turnrl.train.trainer import DataOrder, batch_rows, save_samples, seed_everything, settings_from, step_metrics
+from turnrl.train.update import compute_advantages
+
+
+@dataclass
+class Rollout:
+    """A finished batch: its trajectories and how its time was spent."""
+    trajectories: list[Trajectory]
+    version: int                   # the engine weights it started with
+    data_position: int             # the data position before its tasks were taken
+    seconds: float                 # first request to last trajectory
+    finish_s: list[float]          # when each trajectory finished, from the batch's start
+    reward_s: float
+
+
+def straggler_metrics(finish_s: list[float]) -> dict[str, float]:
+    """How long the batch waited on its slowest trajectories: the tail after half (and 90%) had finished."""
+    if not finish_s:
+        return {}
+    t = np.sort(np.asarray(finish_s))
+    last = float(t[-1])
+    p50, p90 = float(np.percentile(t, 50)), float(np.percentile(t, 90))
+    return {"straggler/p50_s": p50, "straggler/p90_s": p90, "straggler/last_s": last,
+            "straggler/tail_frac": (last - p50) / last if last > 0 else 0.0}
+
+
+def check_supported(cfg: Config) -> None:
+    if cfg.algo.advantage == "gae":
+        raise ValueError("algo.advantage=gae (a critic) is not supported with trainer.placement="
+                         f"{cfg.trainer.placement}; use grpo/drgrpo/rloo/reinforce_pp or trainer.placement=local")
+    if cfg.data.eval is not None and cfg.trainer.eval_every:
+        raise ValueError(f"trainer.eval_every is not supported with trainer.placement={cfg.trainer.placement}: set "
+                         "trainer.eval_every=0 and run `turnrl eval CFG --checkpoint DIR` on a saved checkpoint")
+    if cfg.trainer.async_rollout and cfg.algo.tis_cap is None:
+        raise ValueError("trainer.async_rollout trains on samples of older policies: set algo.tis_cap (e.g. 2.0) so "
+                         "each token is importance-weighted by trainer/engine probability")
+
+
+class DistributedTrainer:
+    def __init__(self, cfg: Config):
+        check_supported(cfg)
+        self.cfg = cfg
+        t = cfg.trainer
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(dump_yaml(cfg))
+        seed_everything(cfg.seed)
+        self.model_dir = resolve(cfg.model.name)
+        d = cfg.data.train
+        self.data = DataOrder(load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows), cfg.seed,
+                              cfg.data.shuffle)
+        self.template = load_template(self.model_dir)
+        self.env = build_environment(cfg.rollout)
+        self.rewards = reward_functions(cfg)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.start_step = 0
+
+        self.ray = place.start_ray(t.ray_address)
+        gpus = t.gpus_per_node if t.gpus_per_node is not None else place.cluster_gpus_per_node(t.nodes)
+        self.layout = place.plan_layout(t.placement, t.nodes, gpus, t.ranks, cfg.engine.replicas,
+                                        cfg.engine.tensor_parallel_size, t.cpus_per_actor)
+        gpu = self.layout.gpu
+        # On GPUs the fused head reads the lm_head weight outside FSDP's root forward (still sharded): off.
+        self.settings = dataclasses.replace(settings_from(cfg, torch.device("cuda" if gpu else "cpu")),
+                                            fused_head=False)
+        self.group = place.reserve(self.layout)
+        threads = 0 if gpu else max(1, int(t.cpus_per_actor))
+        engine_cfg = dataclasses.replace(cfg.engine, device="cuda" if gpu else "cpu")
+        send_dtype = "float32" if cfg.engine.dtype == "float32" else (
+            "bfloat16" if cfg.engine.dtype == "auto" else cfg.engine.dtype)
+        lora = cfg.model.lora
+        spec = RankSpec(str(self.model_dir), lora.rank, lora.alpha, lora.dropout, lora.target_modules,
+                        cfg.model.gradient_checkpointing, t.optim, t.steps * t.epochs_per_step * t.mini_batches,
+                        self.settings, t.dtype, send_dtype, cfg.seed, gpu, threads)
+        rank_cls = self.ray.remote(TrainRank)
+        self.ranks = RankGroup([
+            rank_cls.options(**place.actor_options(self.group, self.layout.rank_bundle[r],
+                                                   self.layout.rank_resources)).remote(r, self.layout.ranks, spec)
+            for r in range(self.layout.ranks)])
+        replica_cls = self.ray.remote(EngineReplica)
+
+        def make_replica(slot: int, generation: int) -> Any:
+            opts = place.actor_options(self.group, self.layout.replica_bundle[slot], self.layout.replica_resources)
+            return replica_cls.options(**opts).remote(f"r{slot}.{generation}", str(self.model_dir), engine_cfg, threads)
+
+        self.pool = ReplicaPool(make_replica, self.layout.replicas)
+        self.router = Router(self.pool, cfg.engine.request_retries)
+        transport = resolve_transport(t.weight_sync, t.placement, gpu)
+        self.sync = WeightSync(transport, self.ranks, self.pool, "nccl" if gpu else "gloo")
+        self.staleness = t.max_staleness if t.async_rollout else 0
+        bind_rollout(self.rewards, RolloutContext(self.router, self.template, self.env, cfg.rollout, cfg.seed))
+        self.logger = MetricsLogger(self.out, cfg.logging.sinks, cfg.logging.project, cfg.logging.run_name,
+                                    to_dict(cfg), cfg.logging.wandb_api_key)
+        self.started = False
+        self.positions: dict[int, int] = {}
+
+    async def start(self) -> None:
+        """Set up the ranks and start the replicas (together), then resume if asked."""
+        if self.started:
+            return
+        import asyncio
+        await asyncio.gather(self.ranks.setup(), self.pool.start())
+        self.started = True
+        print(f"[turnrl] ray: {self.layout.describe()}; weight sync: {self.sync.transport}", flush=True)
+        if self.cfg.trainer.resume:
+            await self._resume(self.cfg.trainer.resume)
+
+    async def _resume(self, spec: str) -> None:
+        path = ckpt.find_checkpoint(spec, self.out / "checkpoints")
+        loaded = await self.ranks.all("load", str(path))
+        state = loaded[0]["state"]
+        self.generator.set_state(loaded[0]["generator"])
+        self.start_step = state["step"]
+        self.data.position = state["data_position"]
+        drop_steps_from(self.out / "trajectories.jsonl", self.start_step + 1)
+        await self.sync.push(self.start_step)
+        print(f"[turnrl] resumed from {path} at step {self.start_step}", flush=True)
+
+    async def run(self) -> list[dict[str, Any]]:
+        history = []
+        steps = self.cfg.trainer.steps
+        try:
+            await self.start()
+            pipe: Pipeline[Rollout] = Pipeline(self._launch, self.start_step, steps, self.staleness)
+            try:
+                for step in range(self.start_step, steps):
+                    t_step = time.perf_counter()
+                    rollout, version = await pipe.take(step)
+                    t_wait = time.perf_counter() - t_step
+                    metrics = await self.train_on(step, rollout)
+                    if self.cfg.trainer.placement == "colocated":
+                        await self.pool.wake_up()
+                    t0 = time.perf_counter()
+                    await self.sync.push(step + 1)
+                    pipe.synced(step + 1)
+                    metrics.update({"time/sync_s": time.perf_counter() - t0, "time/wait_rollout_s": t_wait,
+                                    "async/staleness": float(step - version), "async/in_flight": float(pipe.in_flight),
+                                    "time/step_s": time.perf_counter() - t_step})
+                    self.logger.log(step + 1, metrics)
+                    refresh_plots(self.out)
+                    history.append(metrics)
+                    every = self.cfg.trainer.save_every
+                    if step + 1 == steps or (every and (step + 1) % every == 0):
+                        await self.save(step + 1, self.positions.get(step + 1, self.data.position))
+            finally:
+                await pipe.close()
+        finally:
+            self.logger.close()
+            await self.close()
+        return history
+
+    async def _launch(self, batch: int, version: int) -> Rollout:
+        position = self.data.position
+        tasks = self.data.take(self.cfg.data.prompts_per_step)
+        self.positions[batch] = position
+        return await self.rollout(tasks, self.cfg.rollout.n, batch, version, position)
+
+    async def rollout(self, tasks: list[Task], n: int, batch: int, version: int, position: int = 0) -> Rollout:
+        """Batch `batch` of trajectories through the router, scored; each records the replica of every turn."""
+        cfg = self.cfg
+        seed = cfg.seed * 1_000_003 + batch
+        loop = build_loop(cfg.rollout, self.router, self.template, self.env, seed, None, policy_version=version)
+        progress = Progress(len(tasks) * n, f"rollout {batch}", cfg.logging.progress,
+                            in_flight=lambda: self.router.in_flight)
+        finish: list[float] = []
+        start = time.perf_counter()
+
+        def done(traj: Trajectory) -> None:
+            finish.append(time.perf_counter() - start)
+            progress.update(1, tokens=traj.n_tokens(Source.POLICY))
+        try:
+            trajs = await run_batch(loop, tasks, n, cfg.rollout.concurrency, done)
+        finally:
+            progress.close()
+        seconds = time.perf_counter() - start
+        where = self.router.pop_sessions(f"{seed}:{t.group_id}/{t.sample_index}" for t in trajs)
+        for traj in trajs:
+            traj.metrics["replicas"] = where[f"{seed}:{traj.group_id}/{traj.sample_index}"]
+        t0 = time.perf_counter()
+        await score_all(trajs, self.rewards, cfg.reward.use_tool_rewards, cfg.reward.use_interaction_rewards)
+        return Rollout(trajs, version, position, seconds, finish, time.perf_counter() - t0)
+
+    async def train_on(self, step: int, rollout: Rollout) -> dict[str, Any]:
+        """Advantages and the update on the ranks; the step's metrics (before the weight sync)."""
+        s, cfg = self.settings, self.cfg
+        trajs = rollout.trajectories
+        if self.cfg.trainer.placement == "colocated":
+            await self.pool.sleep()
+        t0 = time.perf_counter()
+        batch, rows, valid, rewards, groups = batch_rows(trajs, s.turn_level, self.template.tokenizer.pad_token_id or 0,
+                                                         torch.device("cpu"))
+        lengths = rows.lengths
+        all_rows = torch.arange(rows.input_ids.shape[0])
+        world = self.ranks.world
+        if s.needs_ref or not s.single_pass:
+            ref = self.ray.put(rows)
+            passes = plan_passes(all_rows, lengths, world, s.micro_batch_tokens)
+            if s.needs_ref:
+                rows.ref_logprobs = await self.ranks.logprobs(ref, passes, tuple(rows.input_ids.shape), reference=True)
+            if not s.single_pass:
+                rows.old_logprobs = await self.ranks.logprobs(ref, passes, tuple(rows.input_ids.shape))
+        kl = rows.engine_logprobs - rows.ref_logprobs if s.kl_in_reward and rows.ref_logprobs is not None else None
+        rows.advantages = compute_advantages(s, batch, rows.loss_mask, valid, rewards, groups, kl, rows)
+        t_logprob = time.perf_counter() - t0
+        seq_mode = s.loss_agg != "token-mean"
+        minis = [plan_mini(mini, lengths, rows.loss_mask, world, s.micro_batch_tokens, seq_mode)
+                 for _ in range(s.epochs) for mini in mini_batches(len(all_rows), s.mini_batches, self.generator)]
+        plans = [[(m.normalizer, m.micro[r]) for m in minis] for r in range(world)]
+        t0 = time.perf_counter()
+        results = await self.ranks.update(self.ray.put(rows), plans)
+        t_update = time.perf_counter() - t0
+        for r in results:
+            if "rows" in r:
+                rows.old_logprobs[r["rows"], :r["old_logprobs"].shape[1]] = r["old_logprobs"]
+        metrics = step_metrics(trajs, rows, rollout.seconds, [f.name for f in self.rewards], cfg.reward.accuracy_part)
+        metrics.update(merge_updates(results, world))
+        metrics.update(straggler_metrics(rollout.finish_s))
+        metrics.update(self.router.stats.take())
+        trained = float(rows.attention_mask.sum())
+        metrics.update({"time/rollout_s": rollout.seconds, "time/reward_s": rollout.reward_s,
+                        "time/logprob_s": t_logprob, "time/update_s": t_update,
+                        "throughput/train_tokens_per_s": trained / max(t_update + t_logprob, 1e-9),
+                        "ranks": float(world), "replicas_ready": float(sum(r.ready for r in self.pool.replicas))})
+        save_samples(self.out / "trajectories.jsonl", trajs, batch, rows, cfg.trainer.trajectories_per_step_saved,
+                     step + 1)
+        return metrics
+
+    async def save(self, step: int, data_position: int) -> Path:
+        paths = await self.ranks.all("save", str(self.out / "checkpoints"), step,
+                                     {"data_position": data_position, "config": to_dict(self.cfg)},
+                                     self.generator.get_state(), self.cfg.trainer.keep_checkpoints)
+        return Path(paths[0])
+
+    async def close(self) -> None:
+        """Stop the actors and free the placement group (Ray itself stays up for the caller)."""
+        from ray.util.placement_group import remove_placement_group
+        try:
+            await self.router.close()
+            await close_llm_clients()
+            try:
+                await self.ranks.all("close")
+            except Exception:  # noqa: BLE001 - killing them anyway
+                pass
+            for actor in self.ranks.actors:
+                self.ray.kill(actor, no_restart=True)
+        finally:
+            remove_placement_group(self.group)

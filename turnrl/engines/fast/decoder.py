@@ -1,0 +1,224 @@
+"""A functional forward of Llama-family decoders (Llama, Qwen2, Qwen3, Mistral) over a slot KV cache.
+
+The cache is preallocated: per layer one key and one value tensor [slots, kv_heads, max_len, head_dim], so a
+request owns one slot for its whole life and nothing is concatenated or reallocated while decoding. The
+forward reads the transformers model's own parameter storage (no copies: q/k/v and gate/up projections are
+re-pointed into one stacked tensor each, so each is one GEMM), so an in-place weight update reaches it, and
+a captured CUDA graph that reads it stays valid.
+
+- prefill: right-padded prompts [n, T] -> keys/values written to the n slots' positions [0, T) -> logits of
+  each prompt's last token. Causal attention through SDPA (grouped-query heads, no mask tensor).
+- decode, one token for each of the first B slots: the layer is split in pure functions (`pre_attention`,
+  `post_attention`, `head` in the engine) around the cache write, so torch.compile sees no mutation. The
+  attention reads only the first `n_kv` positions of the cache (a bucket above the longest live sequence)
+  with a length mask; grouped-query heads share one read of each key (no repeat_kv copy).
+
+The arithmetic mirrors transformers' eager path (RMSNorm in float32, rotary tables computed the same way,
+softmax in float32), so float32 greedy decoding matches `model.generate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's parameters (the model's own storage; biases and q/k norms may be None)."""
+    ln1: torch.Tensor          # [hidden]
+    qkv: torch.Tensor          # [(heads + 2 * kv_heads) * head_dim, hidden]: q_proj, k_proj, v_proj stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor            # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    ln2: torch.Tensor          # [hidden]
+    gate_up: torch.Tensor      # [2 * intermediate, hidden]: gate_proj, up_proj stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor         # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+class Shape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scaling: float
+
+
+def unsupported_reason(model: Any, max_len: int) -> str | None:
+    """Why this model cannot run on the slot decoder, or None if it can."""
+    config = model.config
+    kind = getattr(config, "model_type", "?")
+    if kind not in SUPPORTED_MODEL_TYPES:
+        return f"model type {kind!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module with inv_freq"
+    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        return f"rope type {rotary.rope_type!r} (its frequencies depend on the sequence length)"
+    for layer in inner.layers:
+        window = getattr(layer.self_attn, "sliding_window", None)
+        if window is not None and window < max_len:
+            return f"sliding-window attention ({window} < max_len {max_len})"
+    return None
+
+
+class SlotDecoder:
+    """The model's forward over `slots` x `max_len` preallocated KV slots."""
+
+    def __init__(self, model: Any, slots: int, max_len: int):
+        reason = unsupported_reason(model, max_len)
+        if reason is not None:
+            raise ValueError(f"the fast engine does not support this model: {reason}")
+        inner, config = model.model, model.config
+        attn = inner.layers[0].self_attn
+        self.shape = Shape(config.num_attention_heads, config.num_key_value_heads, attn.head_dim,
+                           float(config.rms_norm_eps), float(attn.scaling))
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.lm_head_bias = getattr(model.lm_head, "bias", None)
+        self.layers = [_layer_weights(layer) for layer in inner.layers]
+        self.slots, self.max_len = slots, max_len
+        device, dtype = self.embed.device, self.embed.dtype
+        rotary = inner.rotary_emb
+        freqs = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)   # [max_len, head_dim]
+        self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
+        shape = (slots, self.shape.kv_heads, max_len, self.shape.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        self.heads_index = torch.arange(self.shape.kv_heads, device=device)
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    # -- prefill (eager) ----------------------------------------------------------------------------
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """ids [n, T] right-padded, lengths [n], slots [n] (device) -> logits of each last token [n, V] float32."""
+        n, width = ids.shape
+        cos, sin = self.cos[:width][None, :, None], self.sin[:width][None, :, None]
+        x = F.embedding(ids, self.embed)
+        for w, keys, values in zip(self.layers, self.keys, self.values):
+            q, k, v = pre_attention(x, w, cos, sin, self.shape)            # [n, T, h, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)                     # [n, kv, T, D]
+            keys[slots, :, :width] = k
+            values[slots, :, :width] = v
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.shape.scaling,
+                                                 enable_gqa=self.shape.heads != self.shape.kv_heads)
+            x = post_attention(x, out.transpose(1, 2).reshape(n, width, -1), w, self.shape)
+        last = x[torch.arange(n, device=x.device), lengths - 1]
+        return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
+
+    # -- decode pieces --------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store one token's key/value [B, kv, D] for slots rows [B] at their positions pos [B]."""
+        index = (rows[:, None], self.heads_index[None, :], pos[:, None])
+        self.keys[layer].index_put_(index, k)
+        self.values[layer].index_put_(index, v)
+
+
+def _layer_weights(layer: Any) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def norm(name: str) -> torch.Tensor | None:
+        module = getattr(attn, name, None)
+        return None if module is None else module.weight
+    qkv, qkv_bias = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up, gate_up_bias = _stack(mlp.gate_proj, mlp.up_proj)
+    return LayerWeights(layer.input_layernorm.weight, qkv, qkv_bias, attn.o_proj.weight,
+                        getattr(attn.o_proj, "bias", None), norm("q_norm"), norm("k_norm"),
+                        layer.post_attention_layernorm.weight, gate_up, gate_up_bias, mlp.down_proj.weight,
+                        getattr(mlp.down_proj, "bias", None))
+
+
+def _stack(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears that read the same input: one GEMM instead of several.
+
+    The linears' parameters become views into the stacked tensor, so there is still one copy of each weight
+    and an in-place update of a parameter (update_weights, a trainer's copy_) lands in the stacked one."""
+    stacked = []
+    for attr in ("weight", "bias"):
+        params = [getattr(linear, attr, None) for linear in linears]
+        if any(p is None for p in params):
+            stacked.append(None)
+            continue
+        # a Parameter, so that torch.compile keeps its shape static like the other weights'
+        joint = torch.nn.Parameter(torch.cat([p.detach() for p in params]), requires_grad=False)
+        start = 0
+        for p in params:
+            p.data = joint.data[start:start + p.shape[0]]
+            start += p.shape[0]
+        stacked.append(joint)
+    return stacked[0], stacked[1]
+
+
+# -- pure functions (compiled on the GPU) ---------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: statistics in float32, the scale applied in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def pre_attention(x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+                  shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., hidden] -> q [..., heads, D], k and v [..., kv_heads, D], rotary applied (cos/sin [..., 1, D])."""
+    h = rms_norm(x, w.ln1, shape.eps)
+    lead = x.shape[:-1]
+    q_width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    qkv = F.linear(h, w.qkv, w.qkv_bias)
+    q = qkv[..., :q_width].reshape(*lead, shape.heads, shape.head_dim)
+    k = qkv[..., q_width:q_width + kv_width].reshape(*lead, shape.kv_heads, shape.head_dim)
+    v = qkv[..., q_width + kv_width:].reshape(*lead, shape.kv_heads, shape.head_dim)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, shape.eps), rms_norm(k, w.k_norm, shape.eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def post_attention(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, shape: Shape) -> torch.Tensor:
+    """The residual stream after the attention output projection and the MLP block."""
+    x = x + F.linear(attn, w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.ln2, shape.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_kv: int,
+                     scaling: float) -> torch.Tensor:
+    """q [B, heads, D] of the first B slots against their cached keys/values [slots, kv, max_len, D], positions
+    [0, pos] of each row (pos [B]), looking at the first n_kv positions only -> [B, heads * D]."""
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    k, v = keys[:batch, :, :n_kv], values[:batch, :, :n_kv]
+    scores = torch.matmul(q.view(batch, kv_heads, heads // kv_heads, dim), k.transpose(-1, -2)) * scaling
+    visible = torch.arange(n_kv, device=q.device)[None, :] <= pos[:, None]          # [B, n_kv]
+    scores = scores.float().masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).reshape(batch, heads * dim)
+
+
+def decode_post(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                n_kv: int, w: LayerWeights, shape: Shape) -> torch.Tensor:
+    return post_attention(x, decode_attention(q, keys, values, pos, n_kv, shape.scaling), w, shape)
+
+
+def head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None,
+         eps: float) -> torch.Tensor:
+    """Final norm and LM head -> float32 logits (computed in the model dtype, as transformers does)."""
+    return F.linear(rms_norm(x, norm, eps), lm_head, bias).float()

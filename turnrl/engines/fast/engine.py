@@ -1,0 +1,391 @@
+"""The fast embedded engine: slot KV cache, CUDA-graph decode steps, sampling and bookkeeping on the device.
+
+One worker thread owns the GPU work, on its own CUDA stream. Each loop iteration:
+
+1. admission: queued requests go into free slots (lowest first), up to `prefill_tokens` padded prompt tokens
+   at a time; their prompts are prefilled eagerly into the slots' cache and their first tokens sampled;
+2. one decode step over the first B slots (B: the bucket above the highest occupied slot), attending to the
+   first n_kv cache positions (n_kv: the 128-bucket above the longest possible live sequence). On the GPU the
+   step for each (B, n_kv, truncation, greedy rows) is captured once as a CUDA graph and replayed; with
+   `compile` on, the layer's pure pieces before and after the cache write go through torch.compile (dynamic
+   shapes: one compilation for every bucket), while head + sampling + bookkeeping run as eager kernels.
+   Everything the step needs lives in preallocated per-slot tensors: last token, position, count, active flag,
+   sampling parameters (temperature, top-k, top-p, seed key), stop ids, max tokens, the output tokens and
+   logprobs. Stop and length checks happen on the device: a finished slot stops advancing by itself;
+3. an asynchronous copy of each slot's status (count, finished) to pinned host memory, with an event. The host
+   reads it when the event has passed (at most `max_inflight` steps later; it waits only when the GPU is that
+   far behind), frees finished slots at once and copies their tokens back asynchronously; cancelled requests
+   are dropped the same way. There is no per-step host sync.
+
+Sampling (sampling.py) is inverse-CDF with one counter-based uniform per (request seed, token index), so a
+request's tokens do not depend on the batch around it (up to float noise); top-k/top-p go through a sorting
+variant of the step only when a request in the batch asks for them. On the CPU the same code runs eagerly
+without graphs or compilation, which is what the CPU tests check. `update_weights` copies in place on the
+worker's stream: the graphs read the same parameter tensors, so they stay valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.fast.decoder import SlotDecoder
+from turnrl.engines.fast.sampling import sample, seed_key
+from turnrl.engines.fast.step import KV_BUCKET, DecodeStep, SlotState, batch_bucket
+from turnrl.engines.hf import resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    sampling: Sampling
+    max_tokens: int                      # sampling.max_tokens, clamped to what fits the slot
+    key: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    aborted: bool = False
+
+    @property
+    def truncates(self) -> bool:
+        return self.sampling.top_k > 0 or self.sampling.top_p < 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.temperature == 0
+
+
+@dataclass
+class _Slot:
+    req: _Request
+    since: int                           # the sequence number of its admission
+    steps: int = 0                       # decode steps since admission
+
+
+@dataclass
+class _Pending:
+    """Device work whose result the host reads once `event` has passed (immediately on the CPU)."""
+    seq: int
+    data: Any
+    event: Any = None
+    extra: Any = field(default=None)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class FastEngine:
+    """The embedded engine's fast path; `generate` is safe to call from many coroutines at once."""
+
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
+                 max_len: int = 4096, gather_ms: float = 5.0, seed: int = 0, model: Any = None,
+                 compile: bool | None = None, cuda_graphs: bool | None = None, prefill_tokens: int = 16384,
+                 max_stop_ids: int = 8, max_inflight: int = 4):
+        from transformers import AutoModelForCausalLM
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
+        cuda = self.device.type == "cuda"
+        if max_batch_size < 1 or max_len < 2 or prefill_tokens < 1 or max_stop_ids < 1 or max_inflight < 1:
+            raise ValueError("max_batch_size, prefill_tokens, max_stop_ids and max_inflight must be >= 1, max_len >= 2")
+        self.max_batch_size, self.max_len = max_batch_size, max_len
+        self.decoder = SlotDecoder(self.model, max_batch_size, max_len)
+        self.state = SlotState(max_batch_size, max_len, max_stop_ids, self.device)
+        self.max_stop_ids, self.prefill_tokens, self.max_inflight = max_stop_ids, prefill_tokens, max_inflight
+        self.gather_s = gather_ms / 1000
+        self.seed = seed
+        self.version = 0
+        self.in_flight = 0
+        graphs = cuda if cuda_graphs is None else cuda_graphs
+        if graphs and not cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.notes: list[str] = []       # fallbacks taken (compile or capture failures), for reports
+        self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
+                      "graph_replays": 0, "graphs": 0, "busy_s": 0.0}
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self.step = DecodeStep(self.decoder, self.state, cuda if compile is None else compile, graphs, self._stream,
+                               self.notes)
+        self._free = list(range(max_batch_size))
+        self._occupied: dict[int, _Slot] = {}
+        self._snapshots: deque[_Pending] = deque()
+        self._fetches: deque[_Pending] = deque()
+        self._seq = 0
+        self._pending: deque[_Request] = deque()
+        self._cv = threading.Condition()
+        self._weights_lock = threading.Lock()
+        self._closed = False
+        self._counter = 0
+        self._thread = threading.Thread(target=self._worker, name="turnrl-fast-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        if self._closed:
+            raise EngineError("engine is closed")
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        if sampling.max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        if len(prompt_ids) >= self.max_len:
+            raise EngineError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_len {self.max_len} "
+                              f"(raise engine.max_model_len)")
+        if len(sampling.stop_token_ids) > self.max_stop_ids:
+            raise EngineError(f"{len(sampling.stop_token_ids)} stop tokens; the fast engine takes at most "
+                              f"{self.max_stop_ids}")
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            self._counter += 1
+            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._counter
+        req = _Request(list(prompt_ids), sampling, min(sampling.max_tokens, self.max_len - len(prompt_ids)),
+                       seed_key(seed), loop, loop.create_future())
+        with self._cv:
+            self._pending.append(req)
+            self._cv.notify()
+        self.in_flight += 1
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.aborted = True
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy new weights in place, between decode steps, on the worker's stream (graphs stay valid)."""
+        params = self.model.state_dict(keep_vars=True)
+        with self._weights_lock, torch.no_grad():
+            stream = nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with stream:
+                for name, tensor in named_tensors:
+                    if name not in params:
+                        raise EngineError(f"update_weights: the engine model has no parameter '{name}'")
+                    params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            if self._stream is not None:
+                self._stream.synchronize()   # the sources may be freed once we return
+        self.version = version
+
+    async def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join, 30.0)
+
+    # -- worker --------------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        torch.set_grad_enabled(False)
+        with nullcontext() if self._stream is None else torch.cuda.stream(self._stream):
+            while not self._closed:
+                fresh: list[_Request] = []
+                try:
+                    idle = not self._occupied and not self._snapshots and not self._fetches
+                    fresh = self._take(block=idle)
+                    if self._closed:
+                        for req in fresh:
+                            self._resolve(req, exc=EngineError("engine closed"))
+                        break
+                    start = time.perf_counter()
+                    with self._weights_lock:
+                        if fresh:
+                            self._admit(fresh)
+                        if self._occupied:
+                            self._decode()
+                        if fresh or self._occupied:
+                            self._snapshot()
+                        self._collect(wait=not self._occupied)
+                    self.stats["busy_s"] += time.perf_counter() - start
+                except Exception as exc:  # noqa: BLE001 - fail the requests, keep the engine alive
+                    log.exception("fast engine step failed")
+                    self._fail_all(EngineError(f"fast engine step failed: {type(exc).__name__}: {exc}"), fresh)
+        self._fail_all(EngineError("engine closed"), list(self._pending))
+
+    def _take(self, block: bool) -> list[_Request]:
+        with self._cv:
+            if block:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+        if block and self.gather_s > 0:
+            time.sleep(self.gather_s)  # let concurrent trajectories join the same prefill
+        with self._cv:
+            out: list[_Request] = []
+            width = 0
+            while self._pending and len(out) < len(self._free):
+                req = self._pending[0]
+                if req.aborted:
+                    self._pending.popleft()
+                    continue
+                wider = max(width, len(req.prompt))
+                if out and wider * (len(out) + 1) > self.prefill_tokens:
+                    break
+                out.append(self._pending.popleft())
+                width = wider
+            return out
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _admit(self, reqs: list[_Request]) -> None:
+        """Prefill new requests into free slots and sample their first tokens."""
+        slots = [heapq.heappop(self._free) for _ in reqs]
+        for slot, req in zip(slots, reqs):
+            self._occupied[slot] = _Slot(req, self._seq)
+        self._seq += 1
+        width = max(len(r.prompt) for r in reqs)
+        ids = self._to_device([r.prompt + [0] * (width - len(r.prompt)) for r in reqs], torch.int64)
+        lengths = self._to_device([len(r.prompt) for r in reqs], torch.int64)
+        idx = self._to_device(slots, torch.int64)
+        temperature = self._to_device([r.sampling.temperature for r in reqs], torch.float32)
+        top_p = self._to_device([r.sampling.top_p for r in reqs], torch.float32)
+        top_k = self._to_device([r.sampling.top_k for r in reqs], torch.int64)
+        key = self._to_device([r.key for r in reqs], torch.int64)
+        max_tokens = self._to_device([r.max_tokens for r in reqs], torch.int64)
+        stop = self._to_device([list(r.sampling.stop_token_ids) + [-1] * (self.max_stop_ids - len(r.sampling.stop_token_ids))
+                                for r in reqs], torch.int64)
+        s = self.state
+        for target, values in ((s.temperature, temperature), (s.top_p, top_p), (s.top_k, top_k), (s.key, key),
+                               (s.max_tokens, max_tokens), (s.stop, stop), (s.pos, lengths)):
+            target.index_copy_(0, idx, values)
+        logits = self.decoder.prefill(ids, lengths, idx)
+        tokens, logprobs = sample(logits, temperature, key, torch.zeros_like(key), top_k, top_p,
+                                  any(r.truncates for r in reqs), any(r.greedy for r in reqs))
+        first = torch.zeros_like(idx)
+        s.out_tokens.index_put_((idx, first), tokens)
+        s.out_logprobs.index_put_((idx, first), logprobs)
+        still = ~((tokens[:, None] == stop).any(dim=1) | (max_tokens <= 1))
+        s.count.index_fill_(0, idx, 1)
+        s.active.index_copy_(0, idx, still)
+        s.last.index_copy_(0, idx, tokens)
+        s.status.index_copy_(0, idx, torch.where(still, 1, -2))
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["requests"] += len(reqs)
+
+    # -- the decode step ------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        top = max(self._occupied) + 1
+        bound = max(min(len(slot.req.prompt) + slot.steps, len(slot.req.prompt) + slot.req.max_tokens - 1)
+                    for slot in self._occupied.values())
+        n_kv = min(self.max_len, -(-(bound + 1) // KV_BUCKET) * KV_BUCKET)
+        batch = batch_bucket(top, self.max_batch_size) if self.step.use_graphs else top
+        truncate = any(slot.req.truncates for slot in self._occupied.values())
+        greedy = any(slot.req.greedy for slot in self._occupied.values())
+        for slot in self._occupied.values():
+            slot.steps += 1
+        self.stats["decode_steps"] += 1
+        how = self.step(batch, n_kv, truncate, greedy)
+        if how == "replayed":
+            self.stats["graph_replays"] += 1
+        elif how == "captured":
+            self.stats["graphs"] += 1
+
+    # -- host side: status snapshots, outputs ---------------------------------------------------------
+    def _record(self) -> Any:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _snapshot(self) -> None:
+        s = self.state
+        copy = s.status.clone() if self._stream is None else s.status.to("cpu", non_blocking=True)
+        self._snapshots.append(_Pending(self._seq, copy, self._record()))
+        self._seq += 1
+
+    def _collect(self, wait: bool) -> None:
+        while self._snapshots and (wait or len(self._snapshots) > self.max_inflight or self._snapshots[0].ready()):
+            snap = self._snapshots.popleft()
+            snap.wait()
+            self._read_status(snap)
+        while self._fetches and (wait or self._fetches[0].ready()):
+            fetch = self._fetches.popleft()
+            fetch.wait()
+            self._deliver(fetch)
+
+    def _read_status(self, snap: _Pending) -> None:
+        status = snap.data.tolist()
+        done: list[tuple[int, _Request, int]] = []
+        aborted: list[int] = []
+        for index, slot in list(self._occupied.items()):
+            if slot.since >= snap.seq:
+                continue                            # admitted after this snapshot was taken
+            if slot.req.aborted:
+                aborted.append(index)
+                self._resolve(slot.req, Completion([], [], "abort"))
+            elif status[index] < 0:
+                done.append((index, slot.req, -1 - status[index]))
+            else:
+                continue
+            del self._occupied[index]
+            heapq.heappush(self._free, index)
+        if aborted:
+            self.state.active.index_fill_(0, self._to_device(aborted, torch.int64), False)
+        if done:
+            s = self.state
+            idx = self._to_device([i for i, _, _ in done], torch.int64)
+            width = max(n for _, _, n in done)
+            tokens = s.out_tokens.index_select(0, idx)[:, :width]
+            logprobs = s.out_logprobs.index_select(0, idx)[:, :width]
+            if self._stream is not None:
+                tokens, logprobs = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
+            self._fetches.append(_Pending(self._seq, (tokens, logprobs), self._record(),
+                                          [(req, n) for _, req, n in done]))
+
+    def _deliver(self, fetch: _Pending) -> None:
+        tokens, logprobs = (t.tolist() for t in fetch.data)
+        for row, (req, n) in enumerate(fetch.extra):
+            out, lps = tokens[row][:n], logprobs[row][:n]
+            reason = "stop" if out and out[-1] in req.sampling.stop_token_ids else "length"
+            self.stats["generated_tokens"] += n
+            self._resolve(req, Completion(out, lps, reason))
+
+    def _fail_all(self, exc: Exception, extra: list[_Request]) -> None:
+        for slot in self._occupied.values():
+            self._resolve(slot.req, exc=exc)
+        for fetch in self._fetches:
+            for req, _ in fetch.extra:
+                self._resolve(req, exc=exc)
+        for req in extra:
+            self._resolve(req, exc=exc)
+        self._occupied.clear()
+        self._snapshots.clear()
+        self._fetches.clear()
+        self._free = list(range(self.max_batch_size))
+        try:
+            self.state.active.zero_()
+        except Exception:  # noqa: BLE001 - a broken device: nothing more to reset
+            pass
+
+    def _resolve(self, req: _Request, completion: Completion | None = None, exc: Exception | None = None) -> None:
+        def set_result() -> None:
+            if req.future.done():
+                return
+            if exc is not None:
+                req.future.set_exception(exc)
+            else:
+                req.future.set_result(completion)
+        try:
+            req.loop.call_soon_threadsafe(set_result)
+        except RuntimeError:  # the caller's loop is gone
+            pass

@@ -1,0 +1,179 @@
+"""The device side of one decode step: per-slot state, the step's pieces, one CUDA graph per variant.
+
+A step for slots [0, B) over cache positions [0, n_kv): embed each slot's last token, run the layers (the
+pure pieces `pre` and `post` around the cache write), then head + sampling + stop/length bookkeeping
+(`finish`), and store the results in the preallocated per-slot tensors. Nothing is allocated outside the
+step and nothing is read back to the host, so the whole step is captured as a CUDA graph: for each variant
+(B, n_kv, truncation, greedy rows) the first step runs for real (compiling on first use), then is captured
+and replayed from then on. Graphs share one memory pool: they never run concurrently and keep no outputs in
+it. With `compile`, `pre` and `post` go through torch.compile with dynamic shapes (one compilation serves
+every bucket), each falling back to its plain function if compiling fails; `finish` stays eager (on the
+H200's torch 2.11, inductor failed on it in every try: a scheduler error in split reductions over a 152k
+vocabulary, a Triton compile error in the fused hash kernel).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from turnrl.engines.fast.decoder import SlotDecoder, decode_post, head, pre_attention
+from turnrl.engines.fast.sampling import sample
+
+log = logging.getLogger(__name__)
+
+KV_BUCKET = 128          # attention reads the cache in multiples of this many positions
+
+
+class SlotState:
+    """Per-slot decode state on the device; index = slot."""
+
+    def __init__(self, slots: int, max_len: int, max_stop: int, device: torch.device):
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        self.last = zeros(slots)                               # [S] token fed next
+        self.pos = zeros(slots)                                # [S] its position
+        self.count = zeros(slots)                              # [S] tokens generated
+        self.active = zeros(slots, dtype=torch.bool)           # [S] still generating
+        self.status = zeros(slots)                             # [S] count if active else -1 - count
+        self.max_tokens = zeros(slots)                         # [S]
+        self.temperature = zeros(slots, dtype=torch.float32)   # [S]
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)  # [S]
+        self.top_k = zeros(slots)                              # [S]
+        self.key = zeros(slots)                                # [S] seed key
+        self.stop = torch.full((slots, max_stop), -1, dtype=torch.int64, device=device)  # [S, K]
+        self.out_tokens = zeros(slots, max_len)                # [S, L]
+        self.out_logprobs = zeros(slots, max_len, dtype=torch.float32)  # [S, L]
+        self.rows = torch.arange(slots, device=device)         # [S]
+
+
+def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_bias: torch.Tensor | None,
+                eps: float, temperature: torch.Tensor, key: torch.Tensor, count: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, active: torch.Tensor, stop: torch.Tensor, max_tokens: torch.Tensor,
+                last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool) -> tuple[torch.Tensor, ...]:
+    """Head, sampling and the stop/length bookkeeping of one decode step (pure; the caller stores it)."""
+    tokens, logprobs = sample(head(x, norm, lm_head, lm_bias, eps), temperature, key, count, top_k, top_p, truncate,
+                              greedy)
+    count_after = count + active.long()
+    done = active & ((tokens[:, None] == stop).any(dim=1) | (count_after >= max_tokens))
+    still = active & ~done
+    return (tokens, logprobs, count_after, still, torch.where(active, tokens, last), pos + still.long(),
+            torch.where(still, count_after, -1 - count_after))
+
+
+class DecodeStep:
+    """One decode step over the slot cache, eager or replayed from CUDA graphs."""
+
+    def __init__(self, decoder: SlotDecoder, state: SlotState, compile: bool, graphs: bool,
+                 stream: torch.cuda.Stream | None, notes: list[str]):
+        self.decoder, self.state, self.notes, self.stream = decoder, state, notes, stream
+        self.max_len = decoder.max_len
+        self.use_graphs = graphs
+        self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.units = self._make_units(compile)
+
+    def __call__(self, batch: int, n_kv: int, truncate: bool, greedy: bool) -> str:
+        """Run one step; says how: 'eager', 'replayed' or 'captured' (ran, and captured for next time)."""
+        variant = (batch, n_kv, truncate, greedy)
+        if not self.use_graphs:
+            self.run(*variant)
+            return "eager"
+        graph = self.graphs.get(variant)
+        if graph is not None:
+            graph.replay()
+            return "replayed"
+        self.run(*variant)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                self.run(*variant)
+        except Exception as exc:  # noqa: BLE001 - eager steps still work
+            self.use_graphs = False
+            self.notes.append(f"CUDA graph capture failed, decoding eagerly: {type(exc).__name__}: {exc}")
+            log.warning(self.notes[-1])
+            return "eager"
+        self.graphs[variant] = graph
+        return "captured"
+
+    def _make_units(self, compiled: bool) -> dict[str, Callable]:
+        shape, d = self.decoder.shape, self.decoder
+
+        def pre(x, w, cos, sin):
+            return pre_attention(x, w, cos, sin, shape)
+
+        def post(x, q, keys, values, pos, n_kv, w):
+            return decode_post(x, q, keys, values, pos, n_kv, w, shape)
+
+        def finish(x, temperature, key, count, top_k, top_p, active, stop, max_tokens, last, pos, truncate, greedy):
+            return finish_step(x, d.norm, d.lm_head, d.lm_head_bias, shape.eps, temperature, key, count, top_k,
+                               top_p, active, stop, max_tokens, last, pos, truncate, greedy)
+        if not compiled:
+            return {"pre": pre, "post": post, "finish": finish}
+        for table in d.keys + d.values + [d.cos, d.sin]:
+            torch._dynamo.mark_static(table)      # fixed shapes: only batch and n_kv vary between steps
+        # `finish` stays eager: on the H200's torch 2.11 inductor failed on it in every try (a scheduler error
+        # in split reductions over a 152k vocabulary; a Triton compile error in the fused hash kernel)
+        return {"pre": Compiled("pre", pre, self.notes), "post": Compiled("post", post, self.notes),
+                "finish": finish}
+
+    def run(self, batch: int, n_kv: int, truncate: bool, greedy: bool) -> None:
+        """One decode step for slots [0, batch): every tensor it touches is preallocated (graph-capturable)."""
+        s = self.state
+        rows, pos, count = s.rows[:batch], s.pos[:batch], s.count[:batch]
+        tokens, logprobs, count_after, still, last, pos_after, status = self.units["finish"](
+            self.forward(batch, n_kv), s.temperature[:batch], s.key[:batch], count, s.top_k[:batch],
+            s.top_p[:batch], s.active[:batch], s.stop[:batch], s.max_tokens[:batch], s.last[:batch], pos, truncate,
+            greedy)
+        at = count.clamp(max=self.max_len - 1)
+        s.out_tokens.index_put_((rows, at), tokens)
+        s.out_logprobs.index_put_((rows, at), logprobs)
+        for target, value in ((s.last, last), (s.pos, pos_after), (s.count, count_after), (s.active, still),
+                              (s.status, status)):
+            target[:batch].copy_(value)
+
+    def forward(self, batch: int, n_kv: int) -> torch.Tensor:
+        """The layers for slots [0, batch) (their last tokens, cache writes included) -> hidden [batch, hidden]."""
+        s, d, u = self.state, self.decoder, self.units
+        rows, pos = s.rows[:batch], s.pos[:batch]
+        x = F.embedding(s.last[:batch], d.embed)
+        cos, sin = d.cos[pos][:, None], d.sin[pos][:, None]
+        for i, w in enumerate(d.layers):
+            q, k, v = u["pre"](x, w, cos, sin)
+            d.write(i, k, v, rows, pos)
+            x = u["post"](x, q, d.keys[i], d.values[i], pos, n_kv, w)
+        return x
+
+
+class Compiled:
+    """A step piece under torch.compile that falls back to the plain function, for good, if compiling or running
+    the compiled code fails. The pieces are pure (the cache writes and state stores happen outside), so running
+    the plain function after a failure is safe; the other pieces stay compiled."""
+
+    def __init__(self, name: str, fn: Callable, notes: list[str]):
+        self.name, self.fn, self.notes = name, fn, notes
+        self.compiled: Callable | None = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001
+                self.compiled = None
+                self.notes.append(f"torch.compile failed on '{self.name}', it runs uncompiled: "
+                                  f"{type(exc).__name__}: {str(exc)[:300]}")
+                log.warning(self.notes[-1])
+        return self.fn(*args)
+
+
+def batch_bucket(n: int, limit: int) -> int:
+    """Batch sizes with a captured graph: powers of two up to 64, then multiples of 64 (capped at `limit`)."""
+    size = 1
+    while size < n and size < 64:
+        size *= 2
+    if size < n:
+        size = -(-n // 64) * 64
+    return min(size, limit)
