@@ -66,6 +66,7 @@ def test_two_replicas_and_two_ranks_train_and_checkpoint(trained):
         assert m["ranks"] == 2 and m["grad_norm"] > 0
         assert m["router/requests"] >= 6 and m["router/failed"] == 0
         assert m["async/staleness"] == 0
+        assert 0 <= m["straggler/tail_frac"] <= 1 and m["time/wait_rollout_s"] > 0
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
 
 
@@ -280,3 +281,15 @@ def test_colocated_placement_shares_bundles_and_trains(ray_local, tmp_path):
     assert trainer.layout.rank_bundle == trainer.layout.replica_bundle == [0]
     history = asyncio.run(trainer.run())
     assert len(history) == 1 and history[0]["grad_norm"] > 0 and history[0]["replicas_ready"] == 1
+
+
+def test_a_two_rank_run_resumes_on_one_rank(ray_local, trained, tmp_path):
+    from turnrl.distributed.trainer import DistributedTrainer
+    out, first, _, _ = trained
+    checkpoint = out / "checkpoints" / "step_000002"
+    trainer = DistributedTrainer(tiny_config(tmp_path, "trainer.steps=3", "trainer.ranks=1", "engine.replicas=1",
+                                             f"trainer.resume={checkpoint}"))
+    history = asyncio.run(trainer.run())
+    assert trainer.start_step == 2 and len(history) == 1 and history[0]["ranks"] == 1
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003"
+    assert [extra["step"] for _, extra in read_trajectories(tmp_path / "trajectories.jsonl")] == [3] * 6

@@ -139,7 +139,8 @@ def test_more_requests_than_slots_reuse_freed_slots(torch_threads):
     with torch_threads(1):
         engine = make_engine(prepare("tiny-random"), max_batch_size=2, gather_ms=0)
     try:
-        requests = [(p + [i], Sampling(max_tokens=3 + 2 * i, temperature=1.0, seed=i)) for i, p in enumerate(PROMPTS * 2)]
+        requests = [(p + [i], Sampling(max_tokens=3 + 2 * i, temperature=1.0, seed=i))
+                    for i, p in enumerate(PROMPTS * 2)]
         together = generate(engine, *requests)
         for request, out in zip(requests, together):
             assert out.token_ids == generate(engine, request)[0].token_ids

@@ -263,8 +263,8 @@ def bound(model: Any, batch: int, prompt: int, new: int, dev: torch.device) -> d
     nominal = next((bw for key, bw in NOMINAL_BANDWIDTH.items() if key in name), None)
     peak = next((f for key, f in PEAK_FLOPS.items() if key in name), None)
     measured = copy_bandwidth(dev)
-    out: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes, "kv_bytes_per_token": kv_per_token,
-                           "logits_bytes_per_step": batch * c.vocab_size * elem, "flops_per_step": flops,
+    out: dict[str, Any] = {"weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
+                           "kv_bytes_per_token": kv_per_token, "logits_bytes_per_step": batch * c.vocab_size * elem, "flops_per_step": flops,
                            "copy_bandwidth": measured, "nominal_bandwidth": nominal, "peak_flops": peak}
     for label, bw in (("measured", measured), ("nominal", nominal)):
         if bw:
@@ -308,23 +308,27 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{name:<14} ERROR {r['error'][:200]}")
             continue
         lines.append(f"{name:<14} {r['tokens_per_s']:>10.0f} {r['ms_per_step']:>8.2f} "
-                     f"{r.get('speedup_vs_generate', float('nan')):>10.1f}x {r.get('fraction_of_bound', float('nan')):>9.1%} "
+                     f"{r.get('speedup_vs_generate', float('nan')):>10.1f}x "
+                     f"{r.get('fraction_of_bound', float('nan')):>9.1%} "
                      f"{r['warmup_s']:>9.1f}")
     for name, r in report["variants"].items():
         step = r.get("step")
         if step:
             lines.append(f"  {name}: decode step {step['step_ms']:.2f} ms at batch {step['batch']} x {step['n_kv']} "
-                         f"positions (layers {step['layers_ms']:.2f} ms, head+sampling {step['head_sample_ms']:.2f} ms) "
+                         f"positions (layers {step['layers_ms']:.2f} ms, "
+                         f"head+sampling {step['head_sample_ms']:.2f} ms) "
                          f"= {r['decode_tokens_per_s']:.0f} tok/s decoding; prefill + host "
                          f"{r['prefill_and_host_s']:.2f} s of {r['seconds']:.2f} s"
-                         + (f"; {r['step_over_memory_bound']:.1f}x the memory bound" if "step_over_memory_bound" in r else ""))
+                         + (f"; {r['step_over_memory_bound']:.1f}x the memory bound"
+                            if "step_over_memory_bound" in r else ""))
         for kernel, ms, calls in (step or {}).get("top_kernels", [])[:8]:
             lines.append(f"    {ms:7.3f} ms {calls:5d}x {kernel}")
         if r.get("notes"):
             lines.append(f"  {name} notes: {'; '.join(r['notes'])}")
     gb = 1e9
     lines.append(f"bound per step: weights {b['weight_bytes'] / gb:.2f} GB + KV {b['kv_bytes_per_step'] / gb:.2f} GB "
-                 f"(logits {b['logits_bytes_per_step'] / gb:.2f} GB not counted), {b['flops_per_step'] / 1e12:.2f} TFLOP")
+                 f"(logits {b['logits_bytes_per_step'] / gb:.2f} GB not counted), "
+                 f"{b['flops_per_step'] / 1e12:.2f} TFLOP")
     for label in ("measured", "nominal"):
         if f"memory_ms_per_step_{label}" in b:
             bw = b["copy_bandwidth" if label == "measured" else "nominal_bandwidth"]

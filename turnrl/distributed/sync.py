@@ -180,7 +180,7 @@ class WeightSync:
 
     def __init__(self, transport: str, ranks: Any, pool: Any, backend: str):
         self.transport, self.ranks, self.pool, self.backend = transport, ranks, pool, backend
-        self._members: list[Any] | None = None     # the replicas of the current broadcast group
+        self._members: list[tuple[int, int]] | None = None   # (slot, generation) of the broadcast group's replicas
 
     async def push(self, version: int) -> float:
         start = time.perf_counter()
@@ -191,7 +191,9 @@ class WeightSync:
             self.pool.latest = (payload, version)
             done = await self.pool.each(replicas, lambda r: r.handle.update_weights.remote(payload, version))
         elif self.transport == "broadcast":
-            if self._members != replicas:
+            # a collective with a dead member would hang until its timeout: ping first (the dead are replaced)
+            replicas = await self.pool.each(replicas, lambda r: r.handle.ready.remote())
+            if self._members != [(r.slot, r.generation) for r in replicas]:
                 await self._form_group(replicas)
             calls = [a.broadcast.remote() for a in self.ranks.actors]
             calls += [r.handle.receive_broadcast.remote(version) for r in replicas]
@@ -214,7 +216,7 @@ class WeightSync:
         calls += [r.handle.join_broadcast.remote(host, port, i + 1, world, self.backend, metas)
                   for i, r in enumerate(replicas)]
         await asyncio.gather(*calls)
-        self._members = list(replicas)
+        self._members = [(r.slot, r.generation) for r in replicas]
 
 
 def cast_all(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -261,8 +261,8 @@ class FastEngine:
         top_k = self._to_device([r.sampling.top_k for r in reqs], torch.int64)
         key = self._to_device([r.key for r in reqs], torch.int64)
         max_tokens = self._to_device([r.max_tokens for r in reqs], torch.int64)
-        stop = self._to_device([list(r.sampling.stop_token_ids) + [-1] * (self.max_stop_ids - len(r.sampling.stop_token_ids))
-                                for r in reqs], torch.int64)
+        stop_ids = [list(r.sampling.stop_token_ids) for r in reqs]
+        stop = self._to_device([ids + [-1] * (self.max_stop_ids - len(ids)) for ids in stop_ids], torch.int64)
         s = self.state
         for target, values in ((s.temperature, temperature), (s.top_p, top_p), (s.top_k, top_k), (s.key, key),
                                (s.max_tokens, max_tokens), (s.stop, stop), (s.pos, lengths)):

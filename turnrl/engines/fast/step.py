@@ -115,8 +115,7 @@ class DecodeStep:
             return {"pre": pre, "post": post, "finish": finish}
         for table in d.keys + d.values + [d.cos, d.sin]:
             torch._dynamo.mark_static(table)      # fixed shapes: only batch and n_kv vary between steps
-        # `finish` stays eager: on the H200's torch 2.11 inductor failed on it in every try (a scheduler error
-        # in split reductions over a 152k vocabulary; a Triton compile error in the fused hash kernel)
+        # `finish` stays eager: inductor failed on it (see the module docstring)
         return {"pre": Compiled("pre", pre, self.notes), "post": Compiled("post", post, self.notes),
                 "finish": finish}
 
