@@ -3,7 +3,7 @@
     python benchmarks/ray_scale/bench.py --tokenizer DIR --out DIR     (benchmarks/ray_scale/run_gpu.sh runs it)
 
 Phases (each prints its figures; all go to OUT/ray_scale.json, and a table at the end):
-- scaling: the same synthetic batch (64 rows of 512-1024 tokens, loss on their second half) updated by 1 FSDP2
+- scaling: the same synthetic batch (128 rows of 512-1024 tokens, loss on their second half) updated by 1 FSDP2
   rank on one GPU and by 2 ranks on two GPUs (NCCL): step time, tokens/s, scaling = tps(2) / (2 x tps(1)). Check:
   the first update's objective agrees between 1 and 2 ranks (bf16 autocast: to about 1e-2).
 - split_sync / split_async: the RL loop with `trainer.placement=split`: one hf-engine replica on GPU 0, one
@@ -14,8 +14,9 @@ Phases (each prints its figures; all go to OUT/ray_scale.json, and a table at th
   the engine holds the trainer's weights after the last sync, every trajectory stayed on one replica, and no
   batch was staler than max_staleness.
 
-The model is random (no download): Qwen2.5-0.5B's shape (24 layers, hidden 896, 14/2 heads, vocab 151936,
-tied embeddings) on the SmolLM2 tokenizer that `--tokenizer` points to (`--model tiny`: a 2-layer one).
+The model is random (no download): Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14/2 heads, tied
+embeddings; 402M parameters) with the vocabulary of the SmolLM2 tokenizer that `--tokenizer` points to (49152:
+a sampled id must decode), `--model tiny`: a 2-layer one.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import torch
 
 HERE = Path(__file__).resolve()
 SHAPES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    # Qwen2.5-0.5B's body; the vocabulary is the tokenizer's (ids past it could not be decoded): 402M parameters
+    "qwen2.5-0.5b": dict(vocab_size=49152, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
@@ -166,7 +168,8 @@ def rl_config(out: Path, model_dir: Path, data: Path, args: argparse.Namespace, 
     cfg_file = out / f"{mode}.yaml"
     cfg_file.write_text(json.dumps({
         "model": {"name": str(model_dir)},
-        "engine": {"kind": "hf", "dtype": "float32" if args.cpu else "auto", "max_batch_size": 512, "gather_ms": 2.0},
+        "engine": {"kind": "hf", "dtype": "float32" if args.cpu else "auto", "max_batch_size": 256, "gather_ms": 2.0,
+                   "max_model_len": 1024, "fast": args.fast},
         "rollout": {"n": args.n, "max_assistant_turns": 8, "max_user_turns": 8, "max_response_tokens": 4096,
                     "max_context_tokens": 8192, "concurrency": 1024,
                     "sampling": {"max_tokens_per_turn": args.max_tokens},
@@ -275,7 +278,7 @@ async def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"command": " ".join(sys.argv), "python": platform.python_version(),
                               "torch": torch.__version__, "ray": ray.__version__,
                               "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                              "model": args.model, "errors": {}}
+                              "model": args.model, "engine_fast": args.fast, "errors": {}}
     start = time.perf_counter()
     ray.init(include_dashboard=False, log_to_driver=True)
     model_dir = build_model(args.out, args.tokenizer, args.model)
@@ -323,10 +326,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per assistant turn")
-    p.add_argument("--rows", type=int, default=64, help="scaling: rows per synthetic batch")
+    p.add_argument("--rows", type=int, default=128, help="scaling: rows per synthetic batch")
     p.add_argument("--scaling-steps", type=int, default=3)
     p.add_argument("--micro-tokens", type=int, default=16384)
     p.add_argument("--weight-sync", default="broadcast", choices=["broadcast", "object_store"])
+    p.add_argument("--fast", choices=["auto", "on", "off"], default="auto",
+                   help="engine.fast: turnrl's fast hf engine (auto: on GPUs) or plain transformers decoding")
     p.add_argument("--cpu", action="store_true", help="a smoke test of this script without GPUs (use --model tiny)")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip phases that would start after this")
     return p.parse_args(argv)

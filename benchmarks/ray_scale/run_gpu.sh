@@ -7,7 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/ray_scale}
-PY=${PYTHON:-$(command -v python || command -v python3)}
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then  # the first interpreter that has torch
+  for p in python python3; do
+    if command -v "$p" >/dev/null && "$p" -c "import torch" 2>/dev/null; then PY=$(command -v "$p"); break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "no python with torch found; set PYTHON=" >&2; exit 2; }
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's turnrl, for the driver and Ray's workers
 if ! "$PY" -c "import ray" 2>/dev/null; then

@@ -5,6 +5,7 @@ For each engine class (plain transformers generation: `hf`; vLLM colocated in th
 - turnrl: `turnrl bench step examples/calculator/train.yaml engine.kind=ENGINE --steps N --warmup 0`
 - TRL: `trl_arm.py --engine ENGINE --steps N` (GRPOTrainer, tools=[calculator], same tasks and settings)
 and prints step time, trajectories/s, where the time goes, and the reward at each step side by side.
+TRL's second generation path on transformers (`use_transformers_continuous_batching`) runs as `trl-hf-cb`.
 Writes results/race-<date>.json. Run it with `bash benchmarks/trl_race/run.sh` (which makes the venv).
 """
 
@@ -37,9 +38,9 @@ def tail(log: Path, lines: int = 25) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def turnrl_arm(engine: str, steps: int, out: Path) -> dict[str, Any]:
+def turnrl_arm(engine: str, steps: int, out: Path, overrides: list[str]) -> dict[str, Any]:
     path, log = out / f"turnrl-{engine}.json", out / f"turnrl-{engine}.log"
-    code, wall = run([sys.executable, "-m", "turnrl", "bench", "step", CONFIG, f"engine.kind={engine}",
+    code, wall = run([sys.executable, "-m", "turnrl", "bench", "step", CONFIG, f"engine.kind={engine}", *overrides,
                       "--steps", str(steps), "--warmup", "0", "--json", str(path)], log)
     if code != 0:
         return {"framework": "turnrl", "engine": engine, "ok": False, "wall_s": wall, "error": tail(log)}
@@ -47,7 +48,9 @@ def turnrl_arm(engine: str, steps: int, out: Path) -> dict[str, Any]:
     runs = []
     for r in report["runs"]:
         e = r["engine_stats"]
-        runs.append({"step": r["step"], "step_s": r["step_s"], "rollout_s": r["rollout_s"], "reward_s": r["reward_s"],
+        runs.append({"step": r["step"], "step_s": r["step_s"], "cpu_s": r["cpu_s"], "rollout_s": r["rollout_s"],
+                     "reward_s": r["reward_s"], "tools_s_sum": r["tools_s_sum"],
+                     "train_padding_fraction": r["train_padding_fraction"],
                      "train_s": r["logprob_s"] + r["update_s"], "sync_s": r["sync_s"], "other_s": r["other_s"],
                      "trajectories": r["trajectories"], "trajectories_per_s": r["trajectories_per_s"],
                      "generate_calls": e.get("requests"), "generated_tokens": e.get("generated_tokens"),
@@ -58,10 +61,12 @@ def turnrl_arm(engine: str, steps: int, out: Path) -> dict[str, Any]:
             "runs": runs, "report": report}
 
 
-def trl_arm(engine: str, steps: int, out: Path, continuous_batching: bool = False) -> dict[str, Any]:
+def trl_arm(engine: str, steps: int, out: Path, overrides: list[str], continuous_batching: bool = False
+            ) -> dict[str, Any]:
     name = f"trl-{engine}{'-cb' if continuous_batching else ''}"
     path, log = out / f"{name}.json", out / f"{name}.log"
-    cmd = [sys.executable, str(HERE / "trl_arm.py"), "--engine", engine, "--steps", str(steps), "--json", str(path)]
+    cmd = [sys.executable, str(HERE / "trl_arm.py"), "--engine", engine, "--steps", str(steps), "--json", str(path),
+           "--set", *overrides]
     code, wall = run(cmd + (["--continuous-batching"] if continuous_batching else []), log)
     if code != 0:
         return {"framework": "trl", "engine": engine, "ok": False, "wall_s": wall, "error": tail(log),
@@ -80,8 +85,8 @@ def summarize(arm: dict[str, Any]) -> dict[str, Any]:
     if not arm["ok"]:
         return {"ok": False}
     runs = arm["runs"]
-    keys = ["step_s", "rollout_s", "train_s", "sync_s", "trajectories_per_s", "generate_calls", "reward_mean",
-            "response_tokens_mean"]
+    keys = ["step_s", "cpu_s", "rollout_s", "train_s", "sync_s", "trajectories_per_s", "generate_calls",
+            "reward_mean", "response_tokens_mean", "train_padding_fraction"]
     out = {k: median(runs, k) for k in keys}
     out.update({"ok": True, "total_s": sum(r["step_s"] for r in runs), "reward_last_step": runs[-1]["reward_mean"],
                 "reward_by_step": [r["reward_mean"] for r in runs], "step_s_by_step": [r["step_s"] for r in runs],
@@ -92,7 +97,7 @@ def summarize(arm: dict[str, Any]) -> dict[str, Any]:
 def table(arms: list[dict[str, Any]]) -> str:
     def fmt(v: Any, spec: str = ".2f") -> str:
         return "-" if v is None else format(v, spec)
-    lines = [f"{'arm':<14} {'step s':>7} {'traj/s':>7} {'rollout s':>9} {'train s':>8} {'sync s':>7} "
+    lines = [f"{'arm':<14} {'step s':>7} {'cpu s':>6} {'traj/s':>7} {'rollout s':>9} {'train s':>8} {'sync s':>7} "
              f"{'gen calls':>9} {'resp tok':>8} {'reward/step':>18} {'setup s':>7}"]
     for arm in arms:
         label = f"{arm['framework']}-{arm['engine']}{'-cb' if arm.get('continuous_batching') else ''}"
@@ -101,7 +106,8 @@ def table(arms: list[dict[str, Any]]) -> str:
             lines.append(f"{label:<14} failed: see {label}.log / the JSON's error")
             continue
         rewards = " ".join(fmt(x, ".3f") for x in s["reward_by_step"])
-        lines.append(f"{label:<14} {fmt(s['step_s']):>7} {fmt(s['trajectories_per_s'], '.3f'):>7} "
+        lines.append(f"{label:<14} {fmt(s['step_s']):>7} {fmt(s['cpu_s'], '.1f'):>6} "
+                     f"{fmt(s['trajectories_per_s'], '.3f'):>7} "
                      f"{fmt(s['rollout_s']):>9} {fmt(s['train_s']):>8} {fmt(s['sync_s']):>7} "
                      f"{fmt(s['generate_calls'], '.0f'):>9} {fmt(s['response_tokens_mean'], '.1f'):>8} "
                      f"{rewards:>18} {fmt(s['setup_s'], '.1f'):>7}")
@@ -112,41 +118,56 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm")
-    p.add_argument("--trl-continuous-batching", action="store_true",
-                   help="also run TRL with use_transformers_continuous_batching (hf)")
+    p.add_argument("--prompts", type=int, default=2,
+                   help="prompts per step, both sides (x rollout.n=8 samples; the main job uses 4)")
+    p.add_argument("--skip-trl-cb", action="store_true",
+                   help="leave out TRL with use_transformers_continuous_batching (its other hf generation path)")
     p.add_argument("--out", default=None, help="results JSON (default: results/race-<date>.json)")
     a = p.parse_args()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
     out_json = Path(a.out) if a.out else HERE / "results" / f"race-{stamp}.json"
     work = HERE / "runs" / stamp
     work.mkdir(parents=True, exist_ok=True)
+    overrides = [f"data.prompts_per_step={a.prompts}"]
     arms = []
     for engine in a.engines.split(","):
-        arms.append(turnrl_arm(engine, a.steps, work))
-        arms.append(trl_arm(engine, a.steps, work))
-        if engine == "hf" and a.trl_continuous_batching:
-            arms.append(trl_arm(engine, a.steps, work, continuous_batching=True))
+        arms.append(turnrl_arm(engine, a.steps, work, overrides))
+        arms.append(trl_arm(engine, a.steps, work, overrides))
+        if engine == "hf" and not a.skip_trl_cb:
+            arms.append(trl_arm(engine, a.steps, work, overrides, continuous_batching=True))
     for arm in arms:
         arm["summary"] = summarize(arm)
     speedups = {}
+    trl_ok = [x for x in arms if x["framework"] == "trl" and x["summary"]["ok"]]
+    best = min(trl_ok, key=lambda x: x["summary"]["step_s"]) if trl_ok else None
     for engine in a.engines.split(","):
         ours = next(x for x in arms if x["framework"] == "turnrl" and x["engine"] == engine)["summary"]
         theirs = next(x for x in arms if x["framework"] == "trl" and x["engine"] == engine
-                      and not x.get("continuous_batching"))["summary"]
-        if ours["ok"] and theirs["ok"]:
-            speedups[engine] = {"step_time": theirs["step_s"] / ours["step_s"],
-                                "trajectories_per_s": ours["trajectories_per_s"] / theirs["trajectories_per_s"]}
+                      and not x.get("continuous_batching"))
+        for name, other in ((engine, theirs), (f"{engine}_vs_trl_fastest", best)):
+            if ours["ok"] and other is not None and other["summary"]["ok"]:
+                o = other["summary"]
+                speedups[name] = {"step_time": o["step_s"] / ours["step_s"], "cpu_time": o["cpu_s"] / ours["cpu_s"],
+                                  "trajectories_per_s": ours["trajectories_per_s"] / o["trajectories_per_s"],
+                                  "trl_arm": f"{other['framework']}-{other['engine']}"
+                                             f"{'-cb' if other.get('continuous_batching') else ''}"}
+    ref = next((x for x in arms if x["framework"] == "turnrl" and x["summary"]["ok"]), None)
+    for arm in arms:   # every arm saw the same tasks at every step
+        if arm["summary"]["ok"] and ref is not None:
+            arm["summary"]["same_tasks_as_turnrl"] = all(
+                set(r.get("uids") or []) == set(q.get("uids") or []) for r, q in zip(arm["runs"], ref["runs"]))
     from turnrl.bench.common import machine_info
-    result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "speedup_turnrl_over_trl": speedups,
+    result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "overrides": overrides, "speedup_turnrl_over_trl": speedups,
               "arms": [{k: v for k, v in arm.items() if k != "report"} for arm in arms],
               "details": {f"{arm['framework']}-{arm['engine']}{'-cb' if arm.get('continuous_batching') else ''}":
                           arm.get("report") for arm in arms}, "machine": machine_info()}
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1, default=str))
     print(table(arms))
-    for engine, s in speedups.items():
-        print(f"{engine}: turnrl is {s['step_time']:.2f}x faster per step, "
-              f"{s['trajectories_per_s']:.2f}x trajectories/s (medians over {a.steps} steps)")
+    for name, s in speedups.items():
+        print(f"turnrl-{name.split('_')[0]} vs {s['trl_arm']}: {s['step_time']:.2f}x faster per step "
+              f"({s['cpu_time']:.2f}x less CPU time), {s['trajectories_per_s']:.2f}x trajectories/s "
+              f"(medians over {a.steps} steps)")
     print(f"wrote {out_json} (logs in {work})")
     return 0
 

@@ -81,6 +81,7 @@ class Meter:
         self.steps: list[dict[str, Any]] = []
         self.current = self._fresh()
         self.last_end = None
+        self.last_cpu = 0.0
 
     @staticmethod
     def _fresh() -> dict[str, Any]:
@@ -162,6 +163,7 @@ def make_tool(meter: Meter) -> Any:
             meter.current["tools_s"] += time.perf_counter() - start
             meter.current["tool_calls"] += 1
     calculator.__doc__ = f"{spec['description']}\n\nArgs:\n    expression: {arg}\n"
+    calculator.__qualname__ = "calculator"   # TRL shows the model a bad call's TypeError, which names the function
     return calculator
 
 
@@ -179,9 +181,16 @@ def exact_answer(completions: list[Any], ground_truth: list[str], **kwargs: Any)
             for c, g in zip(completions, ground_truth)]
 
 
+SAMPLES: list[dict[str, Any]] = []   # what the policy wrote, for the report: tool results and final answers
+
+
 def tool_success(completions: list[Any], **kwargs: Any) -> list[float]:
     """turnrl's tool_success: at least one tool call ran without error (TRL writes a failed call's result
     as "{'error': ...}")."""
+    for c in completions:
+        SAMPLES.append({"tool_results": [str(m.get("content"))[:160] for m in c if m.get("role") == "tool"],
+                        "tool_calls": [json.dumps(call, default=str)[:160] for m in c for call in m.get("tool_calls") or []],
+                        "final": last_assistant(c)[-160:]})
     return [1.0 if any(m.get("role") == "tool" and not str(m.get("content")).startswith("{'error'") for m in c)
             else 0.0 for c in completions]
 
@@ -223,7 +232,7 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
-    from turnrl.bench.common import machine_info, spread
+    from turnrl.bench.common import cpu_seconds, machine_info, spread
     from turnrl.models import resolve
 
     cfg = load_race_config([f"engine.kind={a.engine}", *a.overrides])
@@ -267,11 +276,12 @@ def main() -> int:
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            meter.last_end = time.perf_counter()
+            meter.last_end, meter.last_cpu = time.perf_counter(), cpu_seconds()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), cpu_seconds()
             meter.current["step_s"] = now - meter.last_end
+            meter.current["cpu_s"], meter.last_cpu = cpu - meter.last_cpu, cpu
             meter.current["loadavg_1m"] = os.getloadavg()[0]
             meter.steps.append(meter.current)
             meter.current, meter.last_end = Meter._fresh(), now
@@ -297,7 +307,8 @@ def main() -> int:
         real = sum(f["tokens"] for f in train_passes)
         other_rollout = m["rollout_s"] - m["generate_s"] - m["tools_s"] - m["reward_s"]
         runs.append({
-            "step": i + 1, "loadavg_1m": m["loadavg_1m"], "step_s": m["step_s"], "rollout_s": m["rollout_s"],
+            "step": i + 1, "loadavg_1m": m["loadavg_1m"], "step_s": m["step_s"], "cpu_s": m["cpu_s"],
+            "rollout_s": m["rollout_s"],
             "generate_s": m["generate_s"] - m["sync_s"], "sync_s": m["sync_s"], "tools_s": m["tools_s"],
             "reward_s": m["reward_s"], "rollout_other_s": other_rollout, "train_s": m["step_s"] - m["rollout_s"],
             "trajectories": len(m["uids"]), "trajectories_per_s": len(m["uids"]) / m["step_s"],
@@ -313,12 +324,12 @@ def main() -> int:
             "reward_tool_success": log.get("rewards/tool_success/mean"),
             "response_tokens_mean": log.get("completions/mean_length"),
             "tool_call_frequency": log.get("tools/call_frequency"), "uids": m["uids"]})
-    keys = ["step_s", "rollout_s", "generate_s", "tools_s", "reward_s", "train_s", "sync_s", "trajectories_per_s"]
+    keys = ["step_s", "cpu_s", "rollout_s", "generate_s", "tools_s", "reward_s", "train_s", "sync_s", "trajectories_per_s"]
     report = {"benchmark": "trl_arm", "engine": a.engine, "continuous_batching": a.continuous_batching,
               "summary": {k: spread([run[k] for run in runs]) for k in keys}, "runs": runs, "setup_s": setup_s,
               "prompt_check": prompt_check, "overrides": a.overrides, "logs": logs, "trl_config": {k: v for k, v in trl_args.items()
                                                                         if k != "output_dir"},
-              "torch_threads": torch.get_num_threads(), "machine": machine_info()}
+              "samples": SAMPLES[:16], "torch_threads": torch.get_num_threads(), "machine": machine_info()}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {a.json}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import statistics
 from importlib import metadata
 from typing import Any
@@ -25,6 +26,13 @@ def machine_info() -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "versions": versions, "loadavg": list(os.getloadavg())}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads (user + system). Less sensitive than wall time to other
+    programs on a shared machine: a step that waits for the CPU accrues wall time, not CPU time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def spread(values: list[float]) -> dict[str, float]:

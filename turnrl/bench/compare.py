@@ -48,7 +48,8 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         better = None
         if ratio is not None and sign:
             better = ratio if sign > 0 else (1 / ratio if ratio else None)   # > 1: B is better
-        figures[name] = {"a": ma, "b": mb, "b_over_a": ratio, "b_better_by": better, "higher_is_better": None if sign == 0 else sign > 0, "a_spread": sa, "b_spread": sb}
+        figures[name] = {"a": ma, "b": mb, "b_over_a": ratio, "b_better_by": better,
+                         "higher_is_better": None if sign == 0 else sign > 0, "a_spread": sa, "b_spread": sb}
     ca, cb = flatten(a.get("config", {})), flatten(b.get("config", {}))
     differ = {k: [ca.get(k), cb.get(k)] for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)}
     loads = [r.get("machine", {}).get("loadavg") for r in (a, b)]

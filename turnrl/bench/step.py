@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from turnrl.bench.common import delta, engine_stats, machine_info, spread
+from turnrl.bench.common import cpu_seconds, delta, engine_stats, machine_info, spread
 from turnrl.config import Config, to_dict
 from turnrl.ledger import Trajectory
 from turnrl.llm import close_all as close_llm_clients
@@ -54,12 +54,13 @@ async def _run(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     try:
         for step in range(warmup + steps):
             load = os.getloadavg()[0]
-            before = engine_stats(trainer.engine)
+            before, cpu = engine_stats(trainer.engine), cpu_seconds()
             m = await trainer.train_step(step)
+            cpu = cpu_seconds() - cpu
             phases = {f"{p}_s": m[f"time/{p}_s"] for p in PHASES}
             runs.append({"step": step + 1, "warmup": step < warmup, "loadavg_1m": load, **phases,
                          "other_s": m["time/step_s"] - sum(phases.values()),
-                         "step_s": m["time/step_s"], "trajectories": m["trajectories"],
+                         "step_s": m["time/step_s"], "cpu_s": cpu, "trajectories": m["trajectories"],
                          "trajectories_per_s": m["trajectories"] / m["time/step_s"],
                          "rollout_tokens_per_s": m["throughput/tokens_per_s"],
                          "train_tokens_per_s": m["throughput/train_tokens_per_s"],
@@ -72,7 +73,8 @@ async def _run(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
         await trainer.engine.close()
         await close_llm_clients()
     measured = [r for r in runs if not r["warmup"]]
-    keys = [*(f"{p}_s" for p in PHASES), "other_s", "step_s", "trajectories_per_s", "rollout_tokens_per_s", "train_tokens_per_s"]
+    keys = [*(f"{p}_s" for p in PHASES), "other_s", "step_s", "cpu_s", "trajectories_per_s", "rollout_tokens_per_s",
+            "train_tokens_per_s"]
     summary = {k: spread([r[k] for r in measured]) for k in keys}
     return {"benchmark": "step", "summary": summary, "runs": runs, "setup_s": setup_s,
             "reward_last_step": runs[-1]["reward_mean"],
@@ -100,7 +102,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'step':>4} {'rollout':>8} {'reward':>7} {'logprob':>8} {'update':>7} {'sync':>6} {'other':>6} "
              f"{'step s':>7} {'traj/s':>7} {'gen tok/s':>9} {'reward':>7} {'turns':>5} {'calls':>5} {'load':>5}"]
     for run in report["runs"]:
-        lines.append(f"{run['step']:>3}{'w' if run['warmup'] else ' '} {run['rollout_s']:>8.2f} {run['reward_s']:>7.3f} "
+        lines.append(f"{run['step']:>3}{'w' if run['warmup'] else ' '} {run['rollout_s']:>8.2f} "
+                     f"{run['reward_s']:>7.3f} "
                      f"{run['logprob_s']:>8.2f} {run['update_s']:>7.2f} {run['sync_s']:>6.2f} {run['other_s']:>6.2f} "
                      f"{run['step_s']:>7.2f} {run['trajectories_per_s']:>7.3f} {run['rollout_tokens_per_s']:>9.1f} "
                      f"{run['reward_mean']:>7.3f} {run['turns_mean']:>5.2f} {run['tool_calls']:>5} "

@@ -6,7 +6,8 @@ results (loss mask 0), with engine logprobs on the policy tokens and GRPO advant
 groups of `group` rows. The update is exactly the trainer's (`turnrl.train.update.policy_update`): the same
 model setup as `Trainer.__init__` (`load_policy`, LoRA or full, `compile_layers` with `trainer.compile`,
 `settings_from(cfg, device)` with its fused-head choice), optimizer, token-budget micro-batches, autocast,
-loss, entropy metric and clipping. The forward-only `logprob_pass` (the trainer's reference / old-logprob pass) is timed too.
+loss, entropy metric and clipping. The forward-only `logprob_pass` (the trainer's reference / old-logprob
+pass) is timed too.
 
 FLOPs, per trained token (tokens = real, unpadded tokens; padding is reported, not counted as work):
 - `6N` (the issue's figure, Kaplan et al. 2020): N = every parameter of the base model, tied embeddings

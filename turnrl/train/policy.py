@@ -87,6 +87,7 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     device_type = input_ids.device.type
     ctx = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
     temperature = 1.0 if temperature == 0.0 else temperature
+    attention_mask = causal_mask_or_none(attention_mask)
     head = _output_head(model) if fused_head and not entropy_grad else None
     if head is not None:
         decoder, weight = head
@@ -114,6 +115,15 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     if ent is not None:
         ent = torch.cat([zero, ent], dim=1)
     return lp, ent
+
+
+def causal_mask_or_none(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """None when every row is right-padded (real tokens first): under a causal mask a real token never sees
+    the padding after it, so no padding mask is needed and attention can take its fused causal kernel.
+    Padding positions then compute junk that no loss, logprob or metric reads."""
+    if bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+        return None
+    return attention_mask
 
 
 def _output_head(model: Any) -> tuple[Any, torch.Tensor] | None:
