@@ -145,6 +145,8 @@ def main() -> int:
         theirs = next(x for x in arms if x["framework"] == "trl" and x["engine"] == engine
                       and not x.get("continuous_batching"))
         for name, other in ((engine, theirs), (f"{engine}_vs_trl_fastest", best)):
+            if name != engine and other is theirs:
+                continue   # the fastest TRL arm is this engine's own
             if ours["ok"] and other is not None and other["summary"]["ok"]:
                 o = other["summary"]
                 speedups[name] = {"step_time": o["step_s"] / ours["step_s"], "cpu_time": o["cpu_s"] / ours["cpu_s"],
@@ -157,7 +159,8 @@ def main() -> int:
             arm["summary"]["same_tasks_as_turnrl"] = all(
                 set(r.get("uids") or []) == set(q.get("uids") or []) for r, q in zip(arm["runs"], ref["runs"]))
     from turnrl.bench.common import machine_info
-    result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "overrides": overrides, "speedup_turnrl_over_trl": speedups,
+    result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "overrides": overrides,
+              "speedup_turnrl_over_trl": speedups,
               "arms": [{k: v for k, v in arm.items() if k != "report"} for arm in arms],
               "details": {f"{arm['framework']}-{arm['engine']}{'-cb' if arm.get('continuous_batching') else ''}":
                           arm.get("report") for arm in arms}, "machine": machine_info()}

@@ -189,7 +189,8 @@ def tool_success(completions: list[Any], **kwargs: Any) -> list[float]:
     as "{'error': ...}")."""
     for c in completions:
         SAMPLES.append({"tool_results": [str(m.get("content"))[:160] for m in c if m.get("role") == "tool"],
-                        "tool_calls": [json.dumps(call, default=str)[:160] for m in c for call in m.get("tool_calls") or []],
+                        "tool_calls": [json.dumps(call, default=str)[:160]
+                                       for m in c for call in m.get("tool_calls") or []],
                         "final": last_assistant(c)[-160:]})
     return [1.0 if any(m.get("role") == "tool" and not str(m.get("content")).startswith("{'error'") for m in c)
             else 0.0 for c in completions]
@@ -251,7 +252,8 @@ def main() -> int:
     r, s, o, lora = cfg.rollout, cfg.rollout.sampling, cfg.trainer.optim, cfg.model.lora
     group, prompts = r.n, cfg.data.prompts_per_step
     micro = min(8, group * prompts)   # rows per forward/backward: about turnrl's 4096-token budget here
-    per_turn = {"max_tokens": s.max_tokens_per_turn} if a.engine == "vllm" else {"max_new_tokens": s.max_tokens_per_turn}
+    limit = "max_tokens" if a.engine == "vllm" else "max_new_tokens"   # vLLM's SamplingParams / GenerationConfig
+    per_turn = {limit: s.max_tokens_per_turn}
     trl_args = dict(
         output_dir=str(Path(a.json).with_suffix("")) + "-out", max_steps=a.steps, seed=cfg.seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=group * prompts // micro,
@@ -303,6 +305,8 @@ def main() -> int:
     for i, m in enumerate(meter.steps):
         log = step_logs[i] if i < len(step_logs) else {}
         train_passes = [f for f in m["forward_passes"] if f["grad"]]
+        calls = m["generate_calls"]
+        padded_gen = sum(c.get("padded_slots", 0) for c in calls)
         padded = sum(f["rows"] * f["width"] for f in train_passes)
         real = sum(f["tokens"] for f in train_passes)
         other_rollout = m["rollout_s"] - m["generate_s"] - m["tools_s"] - m["reward_s"]
@@ -312,23 +316,24 @@ def main() -> int:
             "generate_s": m["generate_s"] - m["sync_s"], "sync_s": m["sync_s"], "tools_s": m["tools_s"],
             "reward_s": m["reward_s"], "rollout_other_s": other_rollout, "train_s": m["step_s"] - m["rollout_s"],
             "trajectories": len(m["uids"]), "trajectories_per_s": len(m["uids"]) / m["step_s"],
-            "generate_calls": len(m["generate_calls"]), "generate_rows": [c["rows"] for c in m["generate_calls"]],
-            "generate_call_s": [c["seconds"] for c in m["generate_calls"]],
-            "generated_tokens": sum(c["generated_tokens"] for c in m["generate_calls"]),
-            "generate_padding_fraction": (1 - sum(c["prompt_tokens"] + c["generated_tokens"] for c in m["generate_calls"])
-                                          / sum(c["padded_slots"] for c in m["generate_calls"]))
-            if a.engine == "hf" and not a.continuous_batching else None,
+            "generate_calls": len(calls), "generate_rows": [c["rows"] for c in calls],
+            "generate_call_s": [c["seconds"] for c in calls],
+            "generate_call_max_tokens": [c["max_generated"] for c in calls],   # decode steps of a plain generate
+            "generated_tokens": sum(c["generated_tokens"] for c in calls),
+            "generate_padding_fraction": 1 - sum(c["prompt_tokens"] + c["generated_tokens"] for c in calls) / padded_gen
+            if padded_gen else None,
             "tool_calls": m["tool_calls"], "train_forward_passes": len(train_passes),
             "train_padding_fraction": 1 - real / padded if padded else None, "train_tokens": real,
             "reward_mean": log.get("reward"), "reward_exact_answer": log.get("rewards/exact_answer/mean"),
             "reward_tool_success": log.get("rewards/tool_success/mean"),
             "response_tokens_mean": log.get("completions/mean_length"),
             "tool_call_frequency": log.get("tools/call_frequency"), "uids": m["uids"]})
-    keys = ["step_s", "cpu_s", "rollout_s", "generate_s", "tools_s", "reward_s", "train_s", "sync_s", "trajectories_per_s"]
+    keys = ["step_s", "cpu_s", "rollout_s", "generate_s", "tools_s", "reward_s", "train_s", "sync_s",
+            "trajectories_per_s"]
     report = {"benchmark": "trl_arm", "engine": a.engine, "continuous_batching": a.continuous_batching,
               "summary": {k: spread([run[k] for run in runs]) for k in keys}, "runs": runs, "setup_s": setup_s,
-              "prompt_check": prompt_check, "overrides": a.overrides, "logs": logs, "trl_config": {k: v for k, v in trl_args.items()
-                                                                        if k != "output_dir"},
+              "prompt_check": prompt_check, "overrides": a.overrides, "logs": logs,
+              "trl_config": {k: v for k, v in trl_args.items() if k != "output_dir"},
               "samples": SAMPLES[:16], "torch_threads": torch.get_num_threads(), "machine": machine_info()}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=2, default=str))

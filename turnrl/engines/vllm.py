@@ -18,15 +18,11 @@ so tools and simulated users keep running on the event loop while the engine ste
   when no top-p/top-k truncation is applied; with truncation vLLM returns the renormalized truncated
   distribution instead, so such requests are refused (use the hf engine or top_p=1, top_k=0).
   (`raw_logprobs`, vLLM's default, ignores the temperature.)
-- `update_weights` reloads tensors in place through the worker's `reload_weights` (layerwise: every vLLM
-  layer that receives a tensor is rebuilt, re-packed for the CPU kernels, and copied back into the same
-  storage), then resets the prefix cache with running requests preempted, so no KV computed with the old
-  weights is reused. vLLM fuses q/k/v and gate/up into one layer and rebuilds a layer from what it was
-  sent: a partial update (LoRA merged into a few modules) is completed with the other members' checkpoint
-  values, and refused when one of those members was changed by an earlier update.
-- `update_lora` sends only the adapter. vLLM's public LoRA API (`LoRARequest`) takes a directory, so the
-  adapter is written as a peft directory to RAM-backed /dev/shm (a few MB, milliseconds) under a fresh
-  `lora_int_id` per version; later requests use it, the base weights stay as loaded.
+- `update_weights` reloads tensors in place and resets the prefix cache; a partial update of a fused layer
+  (q/k/v, gate/up) is completed from the checkpoint. How, and when it is refused: `vllm_weights`.
+- `update_lora` sends only the adapter, written as a peft directory to /dev/shm (`vllm_weights.write_adapter`)
+  and registered under a fresh `lora_int_id` per version; later requests use it, the base weights stay as
+  loaded.
 - `sleep(level)` / `wake_up()` free and restore GPU memory between rollouts (vLLM's sleep mode: level 1
   offloads weights to host memory and drops the KV cache, level 2 drops the weights too, so an
   `update_weights` must follow the wake-up). vLLM's CPU build has no sleep mode; there they raise.
@@ -35,22 +31,19 @@ so tools and simulated users keep running on the event loop while the engine ste
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
-import logging
 import os
 import queue
 import shutil
-import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
 from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.vllm_weights import WeightLoader, write_adapter
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -78,32 +71,6 @@ class _Adapter:
     request: Any          # vllm LoRARequest
     directory: Path
     version: int
-
-
-@dataclass
-class _Checkpoint:
-    """Where each checkpoint tensor lives, to complete partial updates of fused layers."""
-    files: dict[str, Path] = field(default_factory=dict)          # name -> safetensors file
-    modules: dict[str, list[str]] = field(default_factory=dict)   # module path -> its tensor names
-
-    @classmethod
-    def scan(cls, model_dir: Path) -> "_Checkpoint":
-        from safetensors import safe_open
-        out = cls()
-        for path in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    out.files[name] = path
-                    out.modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
-        return out
-
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-        out = {}
-        for name in names:
-            with safe_open(str(self.files[name]), framework="pt") as f:
-                out[name] = f.get_tensor(name)
-        return out
 
 
 class VLLMEngine:
@@ -160,7 +127,6 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._adapters: list[_Adapter] = []
         self._lora_ids = itertools.count(1)
-        self._changed: set[str] = set()     # checkpoint names an update has overwritten
         self._closed = False
         self._dead: BaseException | None = None
         self._ready = threading.Event()
@@ -218,7 +184,7 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load (name, tensor) pairs under the HF model's names in place, then drop the prefix cache."""
-        await self._call(lambda engine: self._load_weights(engine, named_tensors))
+        await self._call(lambda engine: self._weights.load(engine, named_tensors))
         self.version = version
         self.stats["weight_updates"] += 1
 
@@ -300,9 +266,7 @@ class VLLMEngine:
             engine = LLMEngine.from_engine_args(EngineArgs(**args))
             if not isinstance(engine.engine_core, InprocClient):
                 raise RuntimeError(f"expected an in-process engine core, got {type(engine.engine_core).__name__}")
-            self._packed = engine.apply_model(lambda m: dict(getattr(m, "packed_modules_mapping", {}) or {}))[0]
-            self._dtype = engine.model_config.dtype
-            self._checkpoint = _Checkpoint.scan(self.model_path)
+            self._weights = WeightLoader.for_engine(engine, self.model_path)
         except BaseException as exc:  # noqa: BLE001 - reported by the constructor
             self._dead = exc
             self._ready.set()
@@ -418,83 +382,6 @@ class VLLMEngine:
                 _resolve(payload.loop, payload.future, exc=exc)
             elif kind == "call":
                 _resolve(payload[1], payload[2], exc=exc)
-
-    # -- weights -------------------------------------------------------------------------------------
-    def _load_weights(self, engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        sent = dict(named_tensors)
-        tensors = {**sent, **self._complete_layers(sent)}
-        dtype = self._dtype
-        partial = not set(self._checkpoint.files) <= set(tensors)
-        # Layers without checkpoint tensors (rotary tables) and, in a partial update, the layers left alone on
-        # purpose would each log a 'failed to load' warning.
-        with _quiet(_RELOAD_LOGGERS if partial else _RELOAD_LOGGERS[:1]):
-            engine.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": ((name, t.detach().to(dtype)) for name, t in tensors.items())})
-        self._changed.update(n for n in sent if n in self._checkpoint.files)
-        engine.reset_prefix_cache(reset_running_requests=True)
-
-    def _complete_layers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors that share a vLLM layer with a sent tensor but were not sent.
-
-        vLLM rebuilds a layer from the tensors it receives: a layer sent in part (q_proj without k_proj,
-        a weight without its bias) would be rebuilt with uninitialized memory in the rest. Layers are found
-        through the model's `packed_modules_mapping`; a fused MoE expert layer (all experts in one) is not
-        covered: send it whole."""
-        members = {m: group for group in self._packed.values() for m in group}
-        missing: set[str] = set()
-        for name in tensors:
-            if name not in self._checkpoint.files:
-                continue
-            parts = name.split(".")
-            for i in range(len(parts) - 1, -1, -1):
-                if parts[i] in members:
-                    break
-            else:
-                i = len(parts) - 2  # an unfused module: its own weight and bias
-            prefix = ".".join(parts[:i] + ["{}"])
-            for sibling in members.get(parts[i], [parts[i]]):
-                module = prefix.format(sibling)
-                missing.update(n for n in self._checkpoint.modules.get(module, ()) if n not in tensors)
-        stale = sorted(missing & self._changed)
-        if stale:
-            raise EngineError(f"update_weights got part of a fused vLLM layer; the rest ({', '.join(stale[:4])}"
-                              f"{'...' if len(stale) > 4 else ''}) was changed by an earlier update and cannot be "
-                              f"restored from the checkpoint: send every tensor of those layers")
-        return self._checkpoint.read(sorted(missing))
-
-
-def write_adapter(tensors: dict[str, torch.Tensor], peft_config: dict[str, Any]) -> Path:
-    """A peft adapter directory (adapter_model.safetensors + adapter_config.json) in RAM-backed /dev/shm."""
-    from safetensors.torch import save_file
-    for key in ("r", "lora_alpha", "target_modules"):
-        if key not in peft_config:
-            raise ValueError(f"peft_config has no {key!r}: pass peft's LoraConfig.to_dict()")
-    if not any("lora_A" in n for n in tensors) or not any("lora_B" in n for n in tensors):
-        raise ValueError("adapter_tensors holds no lora_A/lora_B tensors: pass peft.get_peft_model_state_dict(model)")
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    directory = Path(tempfile.mkdtemp(prefix="turnrl-lora-", dir=root))
-    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
-              str(directory / "adapter_model.safetensors"))
-    config = {k: sorted(v) if isinstance(v, set) else v for k, v in peft_config.items()}
-    (directory / "adapter_config.json").write_text(json.dumps(config, default=str))
-    return directory
-
-
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
-
-
-@contextlib.contextmanager
-def _quiet(names: Iterable[str]) -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def _global_rng_state() -> tuple[Any, Any, torch.Tensor]:
