@@ -57,10 +57,10 @@ class Segment:
         elif logprobs is not None:
             raise LedgerError("only policy tokens carry logprobs")
         n = len(ids)
-        self.token_ids.extend(int(t) for t in ids)
+        self.token_ids.extend(map(int, ids))
         self.sources.extend([int(source)] * n)
         self.turns.extend([turn] * n)
-        self.logprobs.extend(float(x) for x in logprobs) if logprobs is not None else self.logprobs.extend([0.0] * n)
+        self.logprobs.extend(map(float, logprobs) if logprobs is not None else [0.0] * n)
         self.loss_mask.extend([1 if source == Source.POLICY else 0] * n)
 
     def count(self, source: Source) -> int:

@@ -31,6 +31,7 @@ def test_bench_rollout_writes_the_report(tmp_path):
         assert offline["generated_tokens"] == multi["policy_tokens"]
         assert offline["prompt_tokens"] == multi["prompt_tokens"]
         assert run["ratio"] == pytest.approx(multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"])
+        assert 0 < multi["loop_cpu_s"] <= multi["process_cpu_s"] and offline["process_cpu_s"] > 0
     assert report["config"]["engine"]["kind"] == "hf" and report["config"]["rollout"]["n"] == 1
     assert report["config"]["task_source"] == ["calculator"] and report["config"]["tasks"] == 2
     assert report["runs"][0]["offline"]["engine_stats"]["requests"] == report["runs"][0]["offline"]["requests"]

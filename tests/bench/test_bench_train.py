@@ -7,6 +7,7 @@ import torch
 
 from turnrl.bench.train import SHAPES, model_counts, synthetic_rows, work
 from turnrl.cli import main
+from turnrl.train.packing import PAD_TO
 
 
 def test_bench_train_writes_the_report(tmp_path):
@@ -71,6 +72,23 @@ def test_flops_count_real_tokens_and_attention():
     assert w["tokens"] == 16 and w["padded_tokens"] == 16 and w["padding_fraction"] == 0
     assert w["flops_6n"] == 6 * 1000 * 16
     assert w["flops_with_attention"] == w["flops_6n"] + 12 * 2 * 4 * (8 ** 2 + 8 ** 2)
+
+
+def test_packed_work_counts_packed_lengths():
+    rows = synthetic_rows(2, 8, 50, torch.device("cpu"), min_fraction=1.0)
+    counts = {"n_params": 1000, "layers": 2, "attention_width": 4}
+    w = work(rows, 16, counts, packing=True)
+    assert w["tokens"] == 16 and w["padded_tokens"] == PAD_TO   # one packed micro-batch, rounded up
+
+
+def test_bench_train_with_packing(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--model", "tiny-shape", "--batch", "4", "--seq-len", "32", "--steps", "1",
+                 "--repeats", "1", "--lora-rank", "0", "--json", str(out), "trainer.packing=true",
+                 "trainer.micro_batch_tokens=64"]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["trainer"]["packing"] is True
+    assert report["runs"][0]["grad_norm"] > 0
 
 
 def test_shape_models_match_their_published_sizes():

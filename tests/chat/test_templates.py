@@ -39,6 +39,15 @@ def test_smollm2_render_encode_decode(smol_template):
     assert ids2 == t.encode("Hello world") and offsets == [(0, 5), (5, 11)]
 
 
+def test_prompt_encoding_is_remembered_across_samples(smol_template):
+    t = smol_template
+    text = t.render([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True)
+    hits = t._prompt_ids.cache_info().hits
+    assert list(t.encode_prompt(text)) == t.encode(text)
+    assert t.encode_prompt(text) is t.encode_prompt(text)        # the n samples of a task share one tokenization
+    assert t._prompt_ids.cache_info().hits >= hits + 2
+
+
 def test_tool_prompt_is_injected_into_existing_system_message(smol_template):
     messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2?"}]
     prepared, render_tools = smol_template.prepare(messages, [CALC, WEATHER])

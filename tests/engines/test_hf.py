@@ -138,6 +138,63 @@ def test_stop_token_ends_with_stop_and_is_included_length_otherwise(smol, chat_p
     assert cut.finish_reason == "length" and cut.token_ids == stopped.token_ids[:3]
 
 
+# -- prefix cache -------------------------------------------------------------------------------------------
+def test_a_later_turn_reuses_the_earlier_turns_kv_and_decodes_as_a_full_forward(smol, chat_prompt, smol_tokenizer):
+    first = chat_prompt("Give me a short tip for studying.")
+    turn1, = generate(smol, (first, Sampling(max_tokens=24, temperature=1.0, seed=8, stop_token_ids=(IM_END,))))
+    delta = smol_tokenizer.encode("\n<|im_start|>user\nWhy does that help?<|im_end|>\n<|im_start|>assistant\n")
+    second = first + turn1.token_ids + delta
+    before = dict(smol.stats)
+    turn2, = generate(smol, (second, Sampling(max_tokens=12, temperature=0.0, stop_token_ids=())))
+    cached = len(first) + len(turn1.token_ids) - 1   # every token turn 1 fed through the model
+    assert smol.stats["prefix_hit_tokens"] - before["prefix_hit_tokens"] == cached
+    assert smol.stats["prefill_tokens"] - before["prefill_tokens"] == len(second) - cached
+    ids = torch.tensor([second + turn2.token_ids])
+    with torch.no_grad():
+        logits = smol.model(ids).logits[0, len(second) - 1:-1].float()
+    assert turn2.token_ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(turn2.token_ids)[:, None])[:, 0]
+    assert (torch.tensor(turn2.logprobs) - expected).abs().max().item() < 1e-3
+
+
+def test_identical_prompts_are_prefilled_once_and_sample_as_if_alone(tiny, torch_threads):
+    prompt = list(range(300, 340))
+    requests = [(prompt, Sampling(max_tokens=6, temperature=1.0, seed=40 + i, stop_token_ids=())) for i in range(4)]
+    before = dict(tiny.stats)
+    together = generate(tiny, *requests)
+    assert tiny.stats["requests"] - before["requests"] == 4
+    assert tiny.stats["prefill_tokens"] - before["prefill_tokens"] == len(prompt)
+    with torch_threads(1):
+        plain = make_engine(prepare("tiny-random"), gather_ms=0, prefix_cache_tokens=0)
+    try:
+        alone = [generate(plain, r)[0] for r in requests]
+    finally:
+        asyncio.run(plain.close())
+    assert plain.prefix is None
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in together}) > 1   # one prefill, still independent samples
+    for mine, theirs in zip(together, alone):
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-4)
+    again, = generate(tiny, requests[0])                     # an exact hit: the stored logits, no forward
+    assert again.token_ids == together[0].token_ids
+
+
+def test_a_weight_update_empties_the_prefix_cache(torch_threads):
+    with torch_threads(1):
+        engine = make_engine(prepare("tiny-random"), gather_ms=0)
+    try:
+        prompt = list(range(500, 530))
+        generate(engine, (prompt, Sampling(max_tokens=3, seed=1)))
+        assert len(engine.prefix) > 0
+        asyncio.run(engine.update_weights(list(engine.model.state_dict().items())[:1], version=1))
+        assert len(engine.prefix) == 0
+        before = engine.stats["prefill_tokens"]
+        generate(engine, (prompt, Sampling(max_tokens=3, seed=1)))
+        assert engine.stats["prefill_tokens"] - before == len(prompt)
+    finally:
+        asyncio.run(engine.close())
+
+
 # -- control ------------------------------------------------------------------------------------------------
 def test_cancelling_a_request_aborts_it(tiny):
     async def scenario():

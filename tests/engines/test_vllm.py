@@ -26,7 +26,7 @@ from turnrl.rollout.scheduler import run_batch  # noqa: E402
 from turnrl.train.policy import export_weights, forward_logprobs  # noqa: E402
 
 IM_END = 2
-ENGINE = dict(kind="vllm", max_model_len=2048, cpu_kv_cache_gb=1.0, max_lora_rank=8, seed=0)
+ENGINE = dict(kind="vllm", max_model_len=2048, cpu_kv_cache_gb=1.0, max_lora_rank=8, max_num_seqs=96, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +275,11 @@ def test_cancelling_the_caller_aborts_the_vllm_request(engine, long_prompt):
         assert await engine.unfinished() == 0 and engine.stats["aborted"] == aborted + 1
         return await engine.generate(long_prompt, Sampling(max_tokens=4, temperature=0.0))
     assert len(run(cancel_midway()).token_ids) == 4                     # still serving
+
+
+def test_max_num_seqs_reaches_vllms_scheduler(engine):
+    # Without it vLLM schedules at most 128 sequences in this in-process form, whatever rollout.concurrency is.
+    assert run(engine._call(lambda e: e.vllm_config.scheduler_config.max_num_seqs)) == ENGINE["max_num_seqs"]
 
 
 def test_sleep_mode_and_tensor_parallel_are_refused_clearly_on_cpu(engine, smollm2_dir):

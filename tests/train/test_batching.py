@@ -2,7 +2,7 @@
 
 import torch
 
-from turnrl.train.batching import micro_batches, mini_batches
+from turnrl.train.batching import micro_batches, mini_batches, to_device
 
 
 def test_micro_batches_respect_the_budget_and_cover_every_row():
@@ -28,3 +28,20 @@ def test_mini_batches_are_a_seeded_partition():
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
     assert sorted(int(i) for part in a for i in part) == list(range(10))
     assert len(a) == 3
+
+
+def test_packed_micro_batches_count_real_tokens_first_fit():
+    lengths = torch.tensor([300, 10, 250, 120, 90, 300])
+    groups = micro_batches(torch.arange(6), lengths, token_budget=400, packed=True)
+    assert sorted(int(i) for rows, _ in groups for i in rows) == list(range(6))
+    for rows, width in groups:
+        assert int(lengths[rows].sum()) <= 400 and width == int(lengths[rows].max())
+    # longest first, each row into the first micro-batch with room: 300+90+10, 300, 250+120
+    assert [sorted(lengths[rows].tolist()) for rows, _ in groups] == [[10, 90, 300], [300], [120, 250]]
+    padded = micro_batches(torch.arange(6), lengths, token_budget=400)
+    assert len(groups) < len(padded)
+
+
+def test_to_device_keeps_values():
+    index = torch.tensor([3, 1, 2])
+    assert to_device(index, torch.device("cpu")).tolist() == [3, 1, 2]

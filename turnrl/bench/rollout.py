@@ -12,7 +12,14 @@ One repeat has two phases on one engine (built and warmed up once):
 
 The ratio multi / offline says how much of the engine's batch throughput the agent loop keeps (goal >= 0.9).
 Engines with a prefix cache start each phase with an empty one, so phase 2 cannot reuse phase 1's prompts
-(within a phase, reuse is the engine's business: phase 1's later turns extend earlier ones).
+(within a phase, reuse is the engine's business: phase 1's later turns extend earlier ones). That reuse can
+put the ratio above 1: a later turn of phase 1 finds its earlier turns' tokens cached, while phase 2 runs
+all turns at once and prefills them again.
+
+Phase 1 also reports `loop_cpu_s`, the CPU time of the event-loop thread (agent loop, chat deltas, parsers,
+ledger), against `process_cpu_s` for the whole process (mostly the engine); the table shows it as a share of
+the phase's wall time. The 1-minute load average is taken before and after each repeat: on a shared machine
+another process's load moves both phases.
 """
 
 from __future__ import annotations
@@ -55,7 +62,8 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
             await _reset_cache(engine)
             offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
             offline["engine_stats"] = delta(engine_stats(engine), before)
-            runs.append({"repeat": r, "loadavg_1m": load, "multi_turn": multi, "offline": offline,
+            runs.append({"repeat": r, "loadavg_1m": load, "loadavg_1m_end": os.getloadavg()[0],
+                         "multi_turn": multi, "offline": offline,
                          "ratio": multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"]})
     finally:
         await engine.close()
@@ -84,9 +92,11 @@ async def _reset_cache(engine: Engine) -> None:
 async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfig, tasks: list[Task],
                       seed: int) -> dict[str, Any]:
     loop = build_loop(cfg, engine, template, env, seed)
-    start = time.perf_counter()
+    start, cpu, loop_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     trajs = await run_batch(loop, tasks, cfg.n, cfg.concurrency)
     seconds = time.perf_counter() - start
+    # The event loop's own CPU (agent loop, chat deltas, parsers, ledger) against the whole process's (engine).
+    loop_cpu, cpu = time.thread_time() - loop_cpu, time.process_time() - cpu
     policy = sum(t.n_tokens(Source.POLICY) for t in trajs)
     turns = sum(len(t.turns) for t in trajs)
     errors: dict[str, int] = {}
@@ -102,21 +112,21 @@ async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfi
             "generate_s_mean": statistics.fmean(t.timings.get("generate_s", 0.0) for t in trajs),
             "tools_s_mean": statistics.fmean(t.timings.get("tools_s", 0.0) for t in trajs),
             "interaction_s_mean": statistics.fmean(t.timings.get("interaction_s", 0.0) for t in trajs),
-            "errors": errors, "policy_tokens_per_s": policy / seconds}
+            "errors": errors, "loop_cpu_s": loop_cpu, "process_cpu_s": cpu, "policy_tokens_per_s": policy / seconds}
 
 
 async def _offline(engine: Engine, trajs: list[Trajectory], temperature: float, seed: int) -> dict[str, Any]:
     requests = [(traj.segments[turn.segment].token_ids[:turn.start], turn.end - turn.start)
                 for traj in trajs for turn in traj.turns if turn.end > turn.start]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = await asyncio.gather(*(
         engine.generate(prompt, Sampling(max_tokens=k, temperature=temperature, seed=seed * 1_000_003 + i))
         for i, (prompt, k) in enumerate(requests)))
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     generated = sum(len(o.token_ids) for o in outs)
     wanted = sum(k for _, k in requests)
     return {"requests": len(requests), "seconds": seconds, "prompt_tokens": sum(len(p) for p, _ in requests),
-            "generated_tokens": generated, "matched": generated == wanted,
+            "generated_tokens": generated, "matched": generated == wanted, "process_cpu_s": cpu,
             "generated_tokens_per_s": generated / seconds}
 
 
@@ -125,13 +135,14 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"rollout benchmark: engine={cfg['engine']['kind']} tasks={cfg['tasks']} x n={cfg['rollout']['n']} "
              f"{'/'.join(cfg['task_source'])}, max_tokens_per_turn={cfg['rollout']['sampling']['max_tokens_per_turn']}",
              f"{'repeat':>6} {'multi tok/s':>12} {'offline tok/s':>14} {'ratio':>6} {'multi s':>8} "
-             f"{'offline s':>9} {'policy tok':>10} {'prompt tok':>10} {'turns/traj':>10} {'tools':>6} {'load':>5}"]
+             f"{'offline s':>9} {'policy tok':>10} {'prompt tok':>10} {'turns/traj':>10} {'tools':>6} {'loop cpu':>8} "
+             f"{'load':>5}"]
     for run in report["runs"]:
         m, o = run["multi_turn"], run["offline"]
         lines.append(f"{run['repeat']:>6} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
                      f"{run['ratio']:>6.3f} {m['seconds']:>8.1f} {o['seconds']:>9.1f} {m['policy_tokens']:>10} "
                      f"{m['prompt_tokens']:>10} {m['turns_per_trajectory']:>10.2f} {m['tool_calls']:>6} "
-                     f"{run['loadavg_1m']:>5.1f}")
+                     f"{m['loop_cpu_s'] / m['seconds']:>8.1%} {run['loadavg_1m']:>5.1f}")
     lines.append(f"  {'over repeats':<26} {'min':>10} {'median':>10} {'max':>10}")
     for key, spread in report["summary"].items():
         lines.append(f"  {key:<26} {spread['min']:>10.3f} {spread['median']:>10.3f} {spread['max']:>10.3f}")

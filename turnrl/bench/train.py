@@ -4,10 +4,10 @@ The rows look like a multi-turn RL batch: right-padded rows of varied length (un
 [min_fraction * T, T]), each a prompt (loss mask 0), then policy turns (loss mask 1) separated by tool
 results (loss mask 0), with engine logprobs on the policy tokens and GRPO advantages of random rewards over
 groups of `group` rows. The update is exactly the trainer's (`turnrl.train.update.policy_update`): the same
-model setup as `Trainer.__init__` (`load_policy`, LoRA or full, `compile_layers` with `trainer.compile`,
-`settings_from(cfg, device)` with its fused-head choice), optimizer, token-budget micro-batches, autocast,
-loss, entropy metric and clipping. The forward-only `logprob_pass` (the trainer's reference / old-logprob
-pass) is timed too.
+model setup as `Trainer.__init__` (`load_policy`, LoRA or full, packed attention with `trainer.packing`,
+`compile_layers` with `trainer.compile`, `settings_from(cfg, device)` with its fused-head choice), optimizer,
+token-budget micro-batches (padded, or packed rows), autocast, loss, entropy metric and clipping. The
+forward-only `logprob_pass` (the trainer's reference / old-logprob pass) is timed too.
 
 FLOPs, per trained token (tokens = real, unpadded tokens; padding is reported, not counted as work):
 - `6N` (the issue's figure, Kaplan et al. 2020): N = every parameter of the base model, tied embeddings
@@ -42,6 +42,7 @@ from turnrl.engines.hf import resolve_device
 from turnrl.models import resolve
 from turnrl.train.batching import Rows, micro_batches
 from turnrl.train.optim import build_optimizer
+from turnrl.train.packing import packed_tokens, use_packed_attention
 from turnrl.train.policy import autocast_dtype, compile_layers, load_policy, trainable_parameters
 from turnrl.train.trainer import settings_from
 from turnrl.train.update import logprob_pass, policy_update
@@ -138,12 +139,13 @@ def synthetic_rows(batch: int, seq_len: int, vocab: int, device: torch.device, s
     return Rows(**{k: v.to(device) for k, v in vars(rows).items() if v is not None})
 
 
-def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int]) -> dict[str, float]:
-    """Tokens and FLOPs of one pass over `rows` (per update: x1; the forward-only pass is a third of it)."""
+def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int], packing: bool = False) -> dict[str, float]:
+    """Tokens and FLOPs of one pass over `rows` (per update: x1; the forward-only pass is a third of it).
+    `padded_tokens`: what the micro-batches compute on (rows x width, or packed lengths with `packing`)."""
     lengths = rows.lengths.cpu()
     tokens = int(lengths.sum())
-    padded = sum(len(index) * width for index, width in micro_batches(torch.arange(len(lengths)), lengths,
-                                                                      micro_batch_tokens))
+    groups = micro_batches(torch.arange(len(lengths)), lengths, micro_batch_tokens, packing)
+    padded = sum(packed_tokens(lengths[index]) if packing else len(index) * width for index, width in groups)
     six_n = 6.0 * counts["n_params"] * tokens
     attention = 12.0 * counts["layers"] * counts["attention_width"] * float((lengths.double() ** 2).sum())
     return {"tokens": tokens, "padded_tokens": padded, "padding_fraction": 1 - tokens / padded,
@@ -175,6 +177,8 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     with model_directory(cfg.model.name) as model_dir:
         model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                             cfg.model.gradient_checkpointing)
+        if settings.packing:
+            use_packed_attention(model)
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
             compile_layers(model)
     setup_s = time.perf_counter() - t0
@@ -185,7 +189,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     counts = model_counts(model)
     rows = synthetic_rows(batch, seq_len, counts["vocab"], device, seed, min_fraction, prompt_fraction, turns,
                           cfg.rollout.n)
-    per_update = work(rows, settings.micro_batch_tokens, counts)
+    per_update = work(rows, settings.micro_batch_tokens, counts, settings.packing)
     if peak_tflops is None:
         peak_tflops = default_peak_tflops(device)
 

@@ -60,7 +60,7 @@ class ChatSession:
         traj.messages, self.render_tools = template.prepare(messages, tools)
         traj.tools = list(tools)
         text = self._render(traj.messages, generation=True)
-        traj.segment.append(template.encode(text), Source.PROMPT, turn=0)
+        traj.segment.append(template.encode_prompt(text), Source.PROMPT, turn=0)
         self._text = text            # the current segment's text, kept in step with its tokens
         self.mismatches = 0
 
@@ -77,10 +77,9 @@ class ChatSession:
         seg.append(token_ids, Source.POLICY, turn, logprobs)
         text = self.template.decode(token_ids)
         self._text += text
-        content_ids = token_ids
+        content = text
         if finish_reason == "stop" and token_ids and token_ids[-1] in self.template.stop_token_ids:
-            content_ids = token_ids[:-1]
-        content = self.template.decode(content_ids)
+            content = self.template.decode(token_ids[:-1])
         self.traj.messages.append({"role": "assistant", "content": content})
         record = Turn(index=turn, segment=len(self.traj.segments) - 1, start=start, end=len(seg),
                       finish_reason=finish_reason, text=content)
@@ -194,8 +193,9 @@ class ChatSession:
                 self._append_pieces([(closing, Source.TEMPLATE)], self.traj.turns[-1].index)
         seg = self.traj.segment
         canonical = self.template.encode(full)
-        ledger_text = self.template.decode(seg.token_ids)
-        if canonical == seg.token_ids:
+        # Decoded only when the ids differ (most ledgers are exact).
+        ledger_text = None if canonical == seg.token_ids else self.template.decode(seg.token_ids)
+        if ledger_text is None:
             result = "exact"
         elif ledger_text == full or ledger_text == self.template.decode(canonical):
             # The second test: text the tokenizer cannot spell (e.g. an unassigned code point, encoded as

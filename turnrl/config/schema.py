@@ -52,6 +52,8 @@ class EngineConfig:
     max_batch_size: int = 64             # hf: sequences decoded together
     gather_ms: float = 5.0               # hf: how long a batch waits for more requests
     seed: int = 0
+    prefix_cache_tokens: int = 32768     # hf (plain engine): KV of up to this many tokens kept for reuse by later
+    #                                      turns and sibling samples (0 or enable_prefix_caching=false: off)
     fast: Literal["auto", "on", "off"] = "auto"  # hf: the fast engine (slot KV cache of max_batch_size x
     #                                      max_model_len, CUDA graphs, device sampling); auto: on CUDA
     # vLLM
@@ -61,6 +63,8 @@ class EngineConfig:
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     cpu_kv_cache_gb: float = 2.0         # vllm on CPU: KV cache size (GPU: gpu_memory_utilization)
+    max_num_seqs: int = 0                # vllm: sequences scheduled together (0: vLLM's default, 128 here); the
+    #                                      rest of rollout.concurrency waits in vLLM's queue
     max_lora_rank: int = 0               # vllm: > 0 adds a LoRA slot so adapters sync alone (>= model.lora.rank)
     enable_sleep_mode: bool = False      # vllm on GPU: allow engine.sleep()/wake_up() to free GPU memory
     # Ray (trainer.placement colocated/split)
@@ -70,9 +74,11 @@ class EngineConfig:
     def validate(self) -> None:
         _positive("max_batch_size", self.max_batch_size)
         _positive("gather_ms", self.gather_ms, allow_zero=True)
+        _positive("prefix_cache_tokens", self.prefix_cache_tokens, allow_zero=True)
         _positive("max_model_len", self.max_model_len)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        _positive("max_num_seqs", self.max_num_seqs, allow_zero=True)
         _positive("replicas", self.replicas, allow_zero=True)
         _positive("request_retries", self.request_retries, allow_zero=True)
         if self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -336,8 +342,12 @@ class TrainerConfig:
     epochs_per_step: int = 1             # PPO epochs over each rollout batch
     mini_batches: int = 1                # optimizer steps per epoch
     micro_batch_tokens: int = 4096       # token budget of one forward/backward
-    fused_head: Literal["auto", "on", "off"] = "auto"  # chunked logprobs without full logits; auto: on GPUs
+    fused_head: Literal["auto", "on", "off"] = "auto"  # chunked logprobs of policy tokens only, no full logits
+    #                                      (auto = on; off: the model's own logits path)
     compile: bool = False                # torch.compile each decoder layer (GPU)
+    packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
+    shared_prefix: bool = True           # a group's shared prompt runs once per micro-batch (not with packing or
+    #                                      gradient checkpointing; exact: turnrl/train/shared_prefix.py)
     save_every: int = 0                  # 0 = only at the end
     keep_checkpoints: int = 2
     eval_every: int = 0
@@ -368,6 +378,9 @@ class TrainerConfig:
         _positive("ranks", self.ranks, allow_zero=True)
         _positive("cpus_per_actor", self.cpus_per_actor)
         _positive("max_staleness", self.max_staleness, allow_zero=True)
+        if self.packing and self.placement != "local":
+            raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "
+                              f"{self.placement}.")
         if self.placement == "local" and (self.async_rollout or self.nodes > 1 or self.ranks > 1):
             raise ConfigError("'async_rollout', 'nodes' > 1 and 'ranks' > 1 run on Ray: set 'placement' to split "
                               "(engines and trainer on their own GPUs) or colocated.")

@@ -32,7 +32,7 @@ import torch
 from turnrl.config.schema import OptimConfig
 from turnrl.distributed.sync import TensorMeta, WeightPayload, cast_all, ipc_handles, open_group, send_buckets
 from turnrl.train.batching import Rows
-from turnrl.train.update import UpdateSettings, micro_step
+from turnrl.train.update import Stats, UpdateSettings, means, micro_step
 
 Micro = list[tuple[torch.Tensor, int] | None]
 
@@ -186,7 +186,7 @@ class TrainRank:
         rows = _to(rows, self.device)
         s = self.spec.settings
         self.policy.train()
-        stats: dict[str, list[float]] = {}
+        stats: Stats = {}
         objective, norms, mine = [], [], []
         clip = s.grad_clip if s.grad_clip > 0 else float("inf")
         for normalizer, micro in minis:
@@ -201,14 +201,15 @@ class TrainRank:
                     continue
                 index, width = spec
                 mb = rows.select(index.to(self.device), width)
-                total += micro_step(self.policy, mb, index, rows, s, self.amp, normalizer / self.world, stats)
+                total += float(micro_step(self.policy, mb, index, rows, s, self.amp, normalizer / self.world,
+                                          stats))
                 mine.append(index)
             norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
             self.optimizer.step()
             self.scheduler.step()
             objective.append(total)
             norms.append(float(_full(norm)))
-        out: dict[str, Any] = {"stats": {k: sum(v) / len(v) for k, v in stats.items() if v},
+        out: dict[str, Any] = {"stats": means(stats),
                                "counts": {k: len(v) for k, v in stats.items()},
                                "objective": objective, "grad_norm": norms, "lr": self.scheduler.get_last_lr()[0]}
         if s.single_pass and mine:

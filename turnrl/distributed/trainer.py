@@ -113,7 +113,7 @@ class DistributedTrainer:
         gpu = self.layout.gpu
         # On GPUs the fused head reads the lm_head weight outside FSDP's root forward (still sharded): off.
         self.settings = dataclasses.replace(settings_from(cfg, torch.device("cuda" if gpu else "cpu")),
-                                            fused_head=False)
+                                            fused_head=False, shared_prefix=False)
         self.group = place.reserve(self.layout)
         threads = 0 if gpu else max(1, int(t.cpus_per_actor))
         engine_cfg = dataclasses.replace(cfg.engine, device="cuda" if gpu else "cpu")

@@ -4,6 +4,8 @@ Requests from concurrent trajectories (every turn of every trajectory) go into o
 runs a decode loop over a left-padded batch with a KV cache and admits new requests between decode steps
 (continuous batching): a newcomer is prefilled on its own, its cache left-padded to the running batch's
 length and concatenated in; finished rows leave the batch at once and all-padding columns are trimmed.
+A prefix KV cache (turnrl/engines/prefix_cache.py) lets a later turn or a sibling sample reuse the KV of the
+context it shares with an earlier request, and identical prompts in one prefill are computed once.
 
 Sampling happens on the device, row by row parameters: temperature, top-p, top-k, and a per-request seed
 (inverse-CDF sampling from a per-request generator), so a request samples the same tokens whatever else is
@@ -19,9 +21,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.cpu_attention import use_decode_attention
+from turnrl.engines.prefix_cache import Entry, PrefixCache
 
 
 @dataclass
@@ -83,7 +88,7 @@ class HFEngine:
     """An in-process transformers engine; `generate` is safe to call from many coroutines at once."""
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
-                 gather_ms: float = 5.0, seed: int = 0, model: Any = None):
+                 gather_ms: float = 5.0, seed: int = 0, model: Any = None, prefix_cache_tokens: int = 32768):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -91,13 +96,16 @@ class HFEngine:
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
         self.seed = seed
         self.version = 0
         self.in_flight = 0                 # requests submitted and not yet answered (for progress)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
-                      "busy_s": 0.0}
+                      "busy_s": 0.0, "prefix_hit_tokens": 0}
+        self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and _plain_cache(model) else None
         self._pending: deque[_Request] = deque()
         self._cv = threading.Condition()
         self._weights_lock = threading.Lock()
@@ -141,6 +149,8 @@ class HFEngine:
                 if name not in params:
                     raise EngineError(f"update_weights: the engine model has no parameter '{name}'")
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            if self.prefix is not None:
+                self.prefix.clear()  # KV computed under the old weights must not be reused
         self.version = version
 
     async def close(self) -> None:
@@ -196,23 +206,55 @@ class HFEngine:
             self._resolve(req, exc=EngineError("engine closed"))
 
     def _prefill(self, reqs: list[_Request]) -> "_Batch":
+        """Prefill new requests: identical prompts once, each reusing the longest cached prefix it has."""
+        unique: dict[tuple[int, ...], int] = {}
+        which = [unique.setdefault(tuple(r.prompt), len(unique)) for r in reqs]
+        prompts = [list(p) for p in unique]
+        hits = [self.prefix.lookup(p) if self.prefix is not None else (None, 0) for p in prompts]
+        exact = [i for i, (_, m) in enumerate(hits) if m == len(prompts[i])]
+        computed = [i for i in range(len(prompts)) if i not in exact]
+        parts = []
+        if computed:
+            parts.append(self._forward([prompts[i] for i in computed], [hits[i] for i in computed]))
+        if exact:
+            parts.append(_stack_entries([hits[i][0] for i in exact], self.model.config))
+        batch = parts[0] if len(parts) == 1 else parts[0].merge(parts[1])
+        row_of = {u: j for j, u in enumerate(computed + exact)}
+        batch.take([row_of[u] for u in which])
+        batch.reqs = reqs
+        self.stats["requests"] += len(reqs)
+        self.stats["prefix_hit_tokens"] += sum(hits[u][1] for u in which)
+        self._append_samples(batch, batch.logits)
+        batch.logits = torch.empty(0)
+        return batch
+
+    def _forward(self, prompts: list[list[int]], hits: list[tuple[Entry | None, int]]) -> "_Batch":
+        """One forward over the uncached suffixes, each row laid out [pad][cached prefix][pad][suffix]."""
         from transformers import DynamicCache
 
-        width = max(len(r.prompt) for r in reqs)
-        ids = torch.zeros((len(reqs), width), dtype=torch.long)
-        attn = torch.zeros((len(reqs), width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            attn[i, width - len(r.prompt):] = 1
+        reuse = [m for _, m in hits]
+        wp = max(reuse)
+        ws = max(len(p) - m for p, m in zip(prompts, reuse))
+        ids = torch.zeros((len(prompts), ws), dtype=torch.long)
+        attn = torch.zeros((len(prompts), wp + ws), dtype=torch.long)
+        for i, (p, m) in enumerate(zip(prompts, reuse)):
+            ids[i, ws - (len(p) - m):] = torch.tensor(p[m:])
+            attn[i, wp - m:wp] = 1
+            attn[i, wp + ws - (len(p) - m):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
+        if wp > 0:
+            template = next(e for e, m in hits if m > 0)
+            _fill(cache, lambda li, kind: torch.cat([_prefix_rows(e, m, li, kind, wp, template) for e, m in hits]))
+        pos = (attn.cumsum(1) - 1).clamp(min=0)[:, wp:]
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        self.stats["prefill_tokens"] += int(attn.sum())
-        self.stats["requests"] += len(reqs)
-        batch = _Batch(reqs, out.past_key_values, attn)
-        self._append_samples(batch, out.logits[:, -1, :].float())
+        self.stats["prefill_tokens"] += sum(len(p) - m for p, m in zip(prompts, reuse))
+        batch = _Batch([], out.past_key_values, attn)
+        batch.logits = out.logits[:, -1, :].float()
+        if self.prefix is not None:
+            for i, p in enumerate(prompts):
+                self.prefix.store(batch.entry(i, p, batch.logits[i].clone()))
         return batch
 
     def _decode_step(self, batch: "_Batch") -> "_Batch":
@@ -239,8 +281,10 @@ class HFEngine:
             if req.aborted:
                 self._resolve(req, Completion(req.out, req.logprobs, "abort"))
             elif req.out and req.out[-1] in req.sampling.stop_token_ids:
+                self._remember(batch, i, req)
                 self._resolve(req, Completion(req.out, req.logprobs, "stop"))
             elif len(req.out) >= req.sampling.max_tokens:
+                self._remember(batch, i, req)
                 self._resolve(req, Completion(req.out, req.logprobs, "length"))
             else:
                 keep.append(i)
@@ -249,6 +293,11 @@ class HFEngine:
         if len(keep) < len(batch.reqs):
             batch.select(keep)
         return batch
+
+    def _remember(self, batch: "_Batch", row: int, req: _Request) -> None:
+        """Keep a finished request's KV (its prompt and all sampled tokens but the last, which was never fed)."""
+        if self.prefix is not None:
+            self.prefix.store(batch.entry(row, req.prompt + req.out[:-1]))
 
     def _resolve(self, req: _Request, completion: Completion | None = None, exc: Exception | None = None) -> None:
         def set_result() -> None:
@@ -272,6 +321,22 @@ class _Batch:
         self.cache = cache
         self.attn = attn
         self.last: torch.Tensor = torch.empty(0)
+        self.logits: torch.Tensor = torch.empty(0)  # [B, V] after a prefill: the next-token logits
+
+    def take(self, rows: list[int]) -> None:
+        """Reorder or repeat rows (before any decoding: requests that share one prefilled prompt)."""
+        index = torch.tensor(rows, device=self.attn.device)
+        self.attn = self.attn[index]
+        self.logits = self.logits[index]
+        self.cache.batch_select_indices(index)
+
+    def entry(self, row: int, tokens: list[int], logits: torch.Tensor | None = None) -> Entry | None:
+        """Row `row`'s KV over its unmasked columns as a prefix-cache entry for `tokens` (None if they disagree)."""
+        cols = self.attn[row].nonzero().squeeze(1)
+        if len(cols) != len(tokens):
+            return None
+        return Entry(np.asarray(tokens, dtype=np.int64), [layer.keys[row][:, cols] for layer in self.cache.layers],
+                     [layer.values[row][:, cols] for layer in self.cache.layers], logits)
 
     def select(self, keep: list[int]) -> None:
         index = torch.tensor(keep, device=self.attn.device)
@@ -294,6 +359,7 @@ class _Batch:
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], 0)
         self.attn = torch.cat([_left_pad(self.attn, width), _left_pad(other.attn, width)], 0)
         self.last = torch.cat([self.last, other.last])
+        self.logits = torch.cat([self.logits, other.logits])
         self.reqs = self.reqs + other.reqs
         return self
 
@@ -307,3 +373,41 @@ def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
+
+
+def _plain_cache(model: Any) -> bool:
+    """The prefix cache needs every layer's KV as a plain growing tensor (no sliding windows)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if model is None:
+        return True
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+def _fill(cache: Any, rows: Any) -> None:
+    """Give every layer of an empty DynamicCache its keys and values: rows(layer_index, "keys"|"values")."""
+    for li, layer in enumerate(cache.layers):
+        keys, values = rows(li, "keys"), rows(li, "values")
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
+def _prefix_rows(entry: Entry | None, reuse: int, layer: int, kind: str, width: int, template: Entry) -> torch.Tensor:
+    """[1, H, width, D]: the first `reuse` cached positions of one layer, left-padded with zeros."""
+    source = getattr(entry if entry is not None else template, kind)[layer]
+    return _left_pad(source[:, :reuse].unsqueeze(0), width)
+
+
+def _stack_entries(entries: list[Entry], config: Any) -> _Batch:
+    """A batch of exact prefix-cache hits: their KV left-padded together, their stored next-token logits."""
+    from transformers import DynamicCache
+
+    width = max(len(e) for e in entries)
+    cache = DynamicCache(config=config)
+    device = entries[0].keys[0].device
+    attn = torch.cat([_left_pad(torch.ones((1, len(e)), dtype=torch.long, device=device), width) for e in entries])
+    _fill(cache, lambda li, kind: torch.cat([_left_pad(getattr(e, kind)[li].unsqueeze(0), width) for e in entries]))
+    batch = _Batch([], cache, attn)
+    batch.logits = torch.stack([e.logits for e in entries])
+    return batch

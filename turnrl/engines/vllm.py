@@ -79,14 +79,14 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str = "auto", max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, enforce_eager: bool = True,
                  enable_prefix_caching: bool = True, cpu_kv_cache_gb: float = 2.0, seed: int = 0,
-                 max_lora_rank: int = 0, enable_sleep_mode: bool = False):
+                 max_lora_rank: int = 0, enable_sleep_mode: bool = False, max_num_seqs: int = 0):
         if dtype not in DTYPES:
             raise ValueError(f"vllm engine dtype must be one of {DTYPES}, got {dtype!r}")
         if tensor_parallel_size != 1:
             raise ValueError("the in-process vllm engine runs one worker (tensor_parallel_size=1): with more, "
                              "vLLM's workers live in other processes and update_weights cannot hand them tensors")
-        if max_model_len <= 0 or cpu_kv_cache_gb <= 0 or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError("vllm engine needs max_model_len > 0, cpu_kv_cache_gb > 0 and "
+        if max_model_len <= 0 or cpu_kv_cache_gb <= 0 or max_num_seqs < 0 or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError("vllm engine needs max_model_len > 0, cpu_kv_cache_gb > 0, max_num_seqs >= 0 and "
                              "0 < gpu_memory_utilization <= 1")
         if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override engine.cpu_kv_cache_gb; unset it "
@@ -109,11 +109,13 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
             generation_config="vllm",      # no sampling defaults from the model's generation_config
             disable_log_stats=True, enable_sleep_mode=enable_sleep_mode)
+        if max_num_seqs:
+            args["max_num_seqs"] = max_num_seqs
         if self.on_cpu:
             args["kv_cache_memory_bytes"] = int(cpu_kv_cache_gb * (1 << 30))
             # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill
             # is split over two steps: it rewinds the request's generator, which CPU generators cannot do.
-            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096, max_num_seqs))
         else:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         if max_lora_rank:
@@ -149,7 +151,8 @@ class VLLMEngine:
                    gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
                    enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
                    cpu_kv_cache_gb=cfg.cpu_kv_cache_gb, seed=cfg.seed,
-                   max_lora_rank=cfg.max_lora_rank, enable_sleep_mode=cfg.enable_sleep_mode)
+                   max_lora_rank=cfg.max_lora_rank, enable_sleep_mode=cfg.enable_sleep_mode,
+                   max_num_seqs=cfg.max_num_seqs)
 
     # -- public API ----------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:

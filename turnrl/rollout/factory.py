@@ -68,7 +68,8 @@ def build_engine(cfg: EngineConfig, model_dir: str | Path) -> Engine:
         from turnrl.engines.fast import build_hf_engine
         return build_hf_engine(str(model_dir), cfg.fast, device=cfg.device, dtype=cfg.dtype,
                                max_batch_size=cfg.max_batch_size, max_len=cfg.max_model_len, gather_ms=cfg.gather_ms,
-                               seed=cfg.seed)
+                               seed=cfg.seed,
+                               prefix_cache_tokens=cfg.prefix_cache_tokens if cfg.enable_prefix_caching else 0)
     if cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMEngine
         return VLLMEngine.from_config(str(model_dir), cfg)

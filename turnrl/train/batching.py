@@ -3,7 +3,8 @@
 Rows are grouped into micro-batches whose padded size (rows x longest row) stays within a token budget,
 longest rows first, and each micro-batch is cut to its own longest row, so memory grows with the budget,
 not with the longest row of the whole batch, and short rows carry little padding. A row longer than the
-budget gets a micro-batch of its own.
+budget gets a micro-batch of its own. Packed micro-batches (`turnrl.train.packing`) carry no padding: there the
+budget counts real tokens, and rows fill micro-batches first-fit, longest first.
 """
 
 from __future__ import annotations
@@ -43,10 +44,32 @@ class Rows:
         return self.attention_mask.sum(dim=1)
 
 
-def micro_batches(index: torch.Tensor, lengths: torch.Tensor, token_budget: int) -> list[tuple[torch.Tensor, int]]:
-    """Split row indices into micro-batches of at most `token_budget` padded tokens: (rows, width) pairs."""
+def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`; to a GPU through pinned memory, without waiting for the GPU's queue (a plain
+    copy synchronizes with it, so the CPU could not run ahead into the next micro-batch)."""
+    if device.type != "cuda" or index.device.type != "cpu":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+def micro_batches(index: torch.Tensor, lengths: torch.Tensor, token_budget: int,
+                  packed: bool = False) -> list[tuple[torch.Tensor, int]]:
+    """Split row indices into micro-batches of at most `token_budget` padded tokens (`packed`: real tokens):
+    (rows, width) pairs, width the longest row of the micro-batch."""
     order = index[torch.argsort(lengths[index], descending=True, stable=True)]
     groups: list[tuple[list[int], int]] = []
+    if packed:
+        filled: list[int] = []
+        for row in order.tolist():
+            length = int(lengths[row])
+            slot = next((k for k, used in enumerate(filled) if used + length <= token_budget), None)
+            if slot is None:
+                groups.append(([row], length))
+                filled.append(length)
+            else:
+                groups[slot][0].append(row)
+                filled[slot] += length
+        return [(torch.tensor(rows, dtype=torch.long), width) for rows, width in groups]
     for row in order.tolist():
         length = int(lengths[row])
         if groups:

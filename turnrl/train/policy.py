@@ -21,6 +21,8 @@ import torch
 
 from turnrl.algo.losses import entropy_from_logits, logprobs_from_logits
 from turnrl.train.fused_head import linear_logprobs
+from turnrl.train.packing import Packed
+from turnrl.train.shared_prefix import shared_hidden
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -78,30 +80,66 @@ class Reference:
 def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      position_ids: torch.Tensor, temperature: float = 1.0, amp: torch.dtype | None = None,
                      with_entropy: bool = False, entropy_grad: bool = False, fused_head: bool = False,
-                     select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     select: torch.Tensor | None = None, packed: Packed | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None), both aligned to token positions (column 0 is 0).
     The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it costs none.
     `fused_head` computes the logprobs chunk by chunk from the hidden states (`turnrl.train.fused_head`)
     instead of materialising the [B, T, V] logits, and then only at the token positions `select` [B, T]
-    marks (others are 0): an update needs the policy tokens' logprobs, not the prompt's or the tools'."""
+    marks (others are 0): an update needs the policy tokens' logprobs, not the prompt's or the tools'.
+    With `packed` (`turnrl.train.packing`, the model under `use_packed_attention`) the rows run as one packed
+    row without padding; the results come back in the [B, T] layout, 0 at padding.
+    With `shared` = (group, prefix) from `turnrl.train.shared_prefix.prefix_groups`, each group's shared prefix
+    runs once; logprobs and entropy are then 0 inside the prefixes (no policy token lies there)."""
+    if shared is not None and int(shared[1].max()) > 0 and select is not None \
+            and causal_mask_or_none(attention_mask) is None and _output_head(model) is not None:
+        lp, ent = _logprobs(model, input_ids, attention_mask, position_ids, temperature, amp, with_entropy,
+                            entropy_grad, fused_head, select, {}, shared)
+        inside = torch.arange(input_ids.shape[1], device=lp.device)[None] <= shared[1].to(lp.device)[:, None]
+        return lp.masked_fill(inside, 0.0), None if ent is None else ent.masked_fill(inside, 0.0)
+    if packed is not None:
+        shape = (input_ids.shape[0], input_ids.shape[1])
+        if select is not None:
+            select = select.clone()
+            select[:, 0] = False   # a row's first token would read the previous row: its logprob is 0
+        lp, ent = _logprobs(model, packed.gather(input_ids), None, packed.gather(position_ids), temperature, amp,
+                            with_entropy, entropy_grad, fused_head,
+                            None if select is None else packed.gather(select), packed.attention_kwargs())
+        return packed.scatter(lp, shape), None if ent is None else packed.scatter(ent, shape)
+    mask = causal_mask_or_none(attention_mask)
+    if mask is None:
+        position_ids = continued_positions(position_ids, attention_mask)
+    return _logprobs(model, input_ids, mask, position_ids, temperature, amp, with_entropy, entropy_grad, fused_head,
+                     select, {})
+
+
+def _logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+              temperature: float, amp: torch.dtype | None, with_entropy: bool, entropy_grad: bool, fused_head: bool,
+              select: torch.Tensor | None, model_kwargs: dict[str, Any],
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     device_type = input_ids.device.type
     ctx = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
     temperature = 1.0 if temperature == 0.0 else temperature
-    attention_mask = causal_mask_or_none(attention_mask)
-    head = _output_head(model) if fused_head and not entropy_grad else None
+    fused = fused_head and not entropy_grad
+    head = _output_head(model) if fused or shared is not None else None
+    hidden = None
     if head is not None:
         decoder, weight = head
         with ctx:
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).last_hidden_state
+            hidden = (shared_hidden(decoder, input_ids, attention_mask, position_ids, *shared) if shared is not None
+                      else decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False, **model_kwargs).last_hidden_state)
+    if hidden is not None and fused:
         lp, ent = linear_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature,
                                   compute_dtype=amp or hidden.dtype,
                                   select=None if select is None else select[:, 1:].bool())
         ent = ent if with_entropy else None
     else:
         with ctx:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).logits
+            logits = (torch.nn.functional.linear(hidden, weight) if hidden is not None else
+                      model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, **model_kwargs).logits)
         logits = logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
@@ -115,6 +153,17 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     if ent is not None:
         ent = torch.cat([zero, ent], dim=1)
     return lp, ent
+
+
+def continued_positions(position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Right-padded rows: the padding's position ids continue each row's count. With the 0s that ledgers put
+    there, transformers reads every padding token as a packed sequence of its own and builds a dense
+    [B, 1, T, T] mask, which rules out SDPA's fused causal (flash) kernel; no real token sees the padding,
+    so its positions change nothing else."""
+    lengths = attention_mask.sum(dim=1, keepdim=True)
+    last = position_ids.gather(1, (lengths - 1).clamp(min=0))
+    steps = torch.arange(position_ids.shape[1], device=position_ids.device)[None] - lengths + 1
+    return torch.where(attention_mask.bool(), position_ids, last + steps)
 
 
 def causal_mask_or_none(attention_mask: torch.Tensor) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from turnrl.config import Config, dump_yaml, to_dict
+from turnrl.config import Config, ConfigError, dump_yaml, to_dict
 from turnrl.data import load_dataset
 from turnrl.engines.hf import resolve_device
 from turnrl.ledger import Trajectory
@@ -28,6 +28,11 @@ from turnrl.train.trainer import DataOrder, seed_everything
 
 class SFTRun:
     def __init__(self, cfg: Config):
+        if cfg.sft.rounds > 0 and cfg.trainer.resume:
+            # Rounds keep no resumable state: ignoring the option would restart from the base model and
+            # overwrite this run's checkpoints.
+            raise ConfigError("trainer.resume is not supported with rejection sampling (sft.rounds > 0). Unset "
+                              "trainer.resume; plain SFT (sft.rounds=0) resumes.")
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ from turnrl.rollout.scheduler import run_batch, summarize
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.batching import Rows
 from turnrl.train.optim import build_optimizer
+from turnrl.train.packing import use_packed_attention
 from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, is_lora, load_critic,
                                  load_policy, trainable_parameters)
 from turnrl.train.update import UpdateSettings, compute_advantages, logprob_pass, policy_update
@@ -72,14 +73,18 @@ class DataOrder:
 
 def settings_from(cfg: Config, device: torch.device | None = None) -> UpdateSettings:
     a, t = cfg.algo, cfg.trainer
-    fused_head = t.fused_head == "on" or (t.fused_head == "auto" and device is not None and device.type == "cuda")
+    fused_head = t.fused_head != "off"   # also on the CPU: logits of policy tokens only (5-25x less head work here)
+    if t.packing and device is not None and device.type == "cuda" and t.dtype == "float32":
+        raise ValueError("trainer.packing on a GPU runs flash attention, which needs bf16: set trainer.dtype=auto "
+                         "or trainer.packing=false")
     if a.kl_in_reward and a.advantage in ("grpo", "drgrpo", "rloo") and not a.turn_level:
         raise ValueError("algo.kl_in_reward needs token-level returns: use reinforce_pp(_baseline) or "
                          "algo.turn_level=true, or put the KL in the loss (kl_in_reward=false).")
     return UpdateSettings(a.advantage, a.gamma, a.lam, a.turn_level, a.clip_low, a.clip_high, a.dual_clip,
                           a.loss_agg, a.kl_coef, a.kl_type, a.kl_in_reward, a.entropy_coef, a.tis_cap,
                           a.value_clip, a.value_coef, t.epochs_per_step, t.mini_batches, t.micro_batch_tokens, t.optim.grad_clip,
-                          cfg.rollout.sampling.temperature or 1.0, fused_head)
+                          cfg.rollout.sampling.temperature or 1.0, fused_head, t.packing,
+                          t.shared_prefix and not cfg.model.gradient_checkpointing)
 
 
 def accuracy_of(traj: Trajectory, part: str | None, functions: list[str]) -> float | None:
@@ -171,6 +176,8 @@ class Trainer:
         lora = cfg.model.lora
         self.policy = load_policy(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.dropout,
                                   lora.target_modules, cfg.model.gradient_checkpointing)
+        if self.settings.packing:   # before the reference copy, which then packs too
+            use_packed_attention(self.policy)
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
         if cfg.trainer.compile:
             compile_layers(self.policy)

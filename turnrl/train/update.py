@@ -2,7 +2,9 @@
 
 Only policy tokens count anywhere: the loss mask gates the policy loss, the KL term, the entropy bonus and
 GAE. Gradient accumulation over token-budget micro-batches uses the mini-batch's global token (or sequence)
-count as the normalizer, so the update equals one big batch whatever the micro-batch size.
+count as the normalizer, so the update equals one big batch whatever the micro-batch size. With `packing`
+(`turnrl.train.packing`) each micro-batch runs as one packed row without padding; the loss sees the same
+[B, T] tensors.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from turnrl.algo import advantages as adv
 from turnrl.algo.losses import aggregate, kl_penalty, ppo_policy_loss, truncated_is_weights, value_loss
 from turnrl.algo.masked import masked_mean
 from turnrl.ledger import Batch
-from turnrl.train.batching import Rows, micro_batches, mini_batches
+from turnrl.train.batching import Rows, micro_batches, mini_batches, to_device
+from turnrl.train.packing import Packed, pack
 from turnrl.train.policy import forward_logprobs, forward_values
+from turnrl.train.shared_prefix import prefix_groups, shared_micro_batches
 
 SEQ_LEVEL = ("grpo", "drgrpo", "rloo")
 
@@ -45,6 +49,8 @@ class UpdateSettings:
     grad_clip: float = 1.0
     temperature: float = 1.0
     fused_head: bool = False
+    packing: bool = False        # the model must be under `turnrl.train.packing.use_packed_attention`
+    shared_prefix: bool = False  # run each group's shared prompt once per micro-batch (turnrl.train.shared_prefix)
 
     @property
     def single_pass(self) -> bool:
@@ -93,14 +99,21 @@ def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | N
     micro-batched by tokens."""
     out = torch.zeros_like(rows.old_logprobs)
     all_rows = torch.arange(rows.input_ids.shape[0])
+    lengths = rows.lengths.cpu()
+    packing = s.packing and not values   # a critic keeps its own (padded) attention
+    sharing = Sharing(rows, s, enabled=not values)
     with torch.no_grad():
-        for index, width in micro_batches(all_rows, rows.lengths.cpu(), s.micro_batch_tokens):
-            mb = rows.select(index.to(rows.input_ids.device), width)
+        for index, width in sharing.micro_batches(all_rows, lengths, packing):
+            packed = pack(lengths[index], rows.input_ids.device) if packing else None
+            shared = sharing.of(index)
+            index = to_device(index, rows.input_ids.device)
+            mb = rows.select(index, width)
             if values:
                 result = forward_values(model, mb.input_ids, mb.attention_mask, mb.position_ids, amp)
             else:
                 result, _ = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
-                                             s.temperature, amp, fused_head=s.fused_head, select=mb.loss_mask > 0)
+                                             s.temperature, amp, fused_head=s.fused_head, select=mb.loss_mask > 0,
+                                             packed=packed, shared=shared)
             out[index.to(out.device), :width] = result.float()
     return out
 
@@ -109,10 +122,12 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
                   amp: torch.dtype | None, generator: torch.Generator, params: list[torch.nn.Parameter],
                   critic: Any = None) -> dict[str, float]:
     """PPO-style epochs x mini-batches of optimizer steps. With a single pass, the old logprobs are the
-    current ones (ratio 1) and the trainer-side logprobs for mismatch metrics come from the same forward."""
-    stats: dict[str, list[float]] = {}
+    current ones (ratio 1) and the trainer-side logprobs for mismatch metrics come from the same forward.
+    Metrics stay on the device until the end: nothing in the micro-batch loop waits for the GPU."""
+    stats: Stats = {}
     n_rows = rows.input_ids.shape[0]
     seq_mode = s.loss_agg != "token-mean"
+    sharing = Sharing(rows, s, enabled=critic is None)
     for _ in range(s.epochs):
         for mini in mini_batches(n_rows, s.mini_batches, generator):
             mask = rows.loss_mask[mini.to(rows.loss_mask.device)]
@@ -120,23 +135,31 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
             if normalizer == 0:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            for index, width in micro_batches(mini, rows.lengths.cpu(), s.micro_batch_tokens):
-                mb = rows.select(index.to(rows.input_ids.device), width)
-                micro_step(model, mb, index, rows, s, amp, normalizer, stats, critic)
+            lengths = rows.lengths.cpu()
+            for index, width in sharing.micro_batches(mini, lengths, s.packing):
+                packed = pack(lengths[index], rows.input_ids.device) if s.packing else None
+                shared = sharing.of(index)
+                index = to_device(index, rows.input_ids.device)
+                micro_step(model, rows.select(index, width), index, rows, s, amp, normalizer, stats, critic, packed,
+                           shared)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
             optimizer.step()
             scheduler.step()
-            stats.setdefault("grad_norm", []).append(float(grad_norm))
-    return {k: sum(v) / len(v) for k, v in stats.items() if v}
+            _add(stats, "grad_norm", grad_norm)
+    return means(stats)
 
 
 def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateSettings,
-               amp: torch.dtype | None, normalizer: float, stats: dict[str, list[float]], critic: Any = None) -> float:
-    """Forward and backward of one micro-batch; returns its loss, its share of the mini-batch objective
-    (the shares of all micro-batches, on all ranks, add up to the mini-batch's loss)."""
+               amp: torch.dtype | None, normalizer: float, stats: Stats, critic: Any = None,
+               packed: Packed | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its loss [] (detached, on the device), its share of
+    the mini-batch objective (the shares of all micro-batches, on all ranks, add up to the mini-batch's loss).
+    `packed`: the packing of the micro-batch's rows (with `s.packing`); `shared`: its rows' (group, prefix)
+    (with `s.shared_prefix`). Metrics go to `stats` as device tensors (`means` reads them)."""
     logprobs, entropy = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
                                          s.temperature, amp, with_entropy=True, entropy_grad=s.entropy_coef > 0,
-                                         fused_head=s.fused_head, select=mb.loss_mask > 0)
+                                         fused_head=s.fused_head, select=mb.loss_mask > 0, packed=packed,
+                                         shared=shared)
     logprobs = logprobs.float()
     mask = mb.loss_mask
     if s.single_pass:
@@ -151,31 +174,60 @@ def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateS
     if s.needs_ref and not s.kl_in_reward:
         kl = kl_penalty(logprobs, mb.ref_logprobs, s.kl_type)
         loss = loss + s.kl_coef * aggregate(kl, mask, s.loss_agg, normalizer)
-        _add(stats, "kl/ref", float(masked_mean(kl.detach(), mask)))
+        _add(stats, "kl/ref", masked_mean(kl.detach(), mask))
     if entropy is not None:
         if s.entropy_coef > 0:
             loss = loss - s.entropy_coef * aggregate(entropy.float(), mask, s.loss_agg, normalizer)
-        _add(stats, "entropy", float(masked_mean(entropy.detach().float(), mask)))
+        _add(stats, "entropy", masked_mean(entropy.detach().float(), mask))
     if critic is not None:
         values = forward_values(critic, mb.input_ids, mb.attention_mask, mb.position_ids, amp)
         vloss, vclip = value_loss(values, mb.old_values, mb.returns, mask, s.value_clip, s.loss_agg, normalizer)
         loss = loss + s.value_coef * vloss
-        _add(stats, "loss/value", float(vloss.detach()) * _share(mask, normalizer, s.loss_agg))
-        _add(stats, "value_clip_fraction", float(vclip))
+        _add(stats, "loss/value", vloss * _share(mask, normalizer, s.loss_agg))
+        _add(stats, "value_clip_fraction", vclip)
     loss.backward()
-    _add(stats, "loss/policy", float(out.loss.detach()) * _share(mask, normalizer, s.loss_agg))
-    _add(stats, "clip_fraction", float(out.clip_fraction))
-    _add(stats, "approx_kl/old", float(out.approx_kl))
+    _add(stats, "loss/policy", out.loss * _share(mask, normalizer, s.loss_agg))
+    _add(stats, "clip_fraction", out.clip_fraction)
+    _add(stats, "approx_kl/old", out.approx_kl)
     if weights is not None:
-        _add(stats, "tis/weight_mean", float(masked_mean(weights, mask)))
-    return float(loss.detach())
+        _add(stats, "tis/weight_mean", masked_mean(weights, mask))
+    return loss.detach()
 
 
-def _share(mask: torch.Tensor, normalizer: float, agg: str) -> float:
+Stats = dict[str, list[torch.Tensor]]   # metric -> one [] tensor per micro-batch (or optimizer step)
+
+
+class Sharing:
+    """The rows' shared-prefix groups (once per update) and the micro-batches that keep groups together."""
+
+    def __init__(self, rows: Rows, s: UpdateSettings, enabled: bool = True):
+        self.budget = s.micro_batch_tokens
+        self.group = self.prefix = None
+        if enabled and s.shared_prefix and not s.packing:
+            self.group, self.prefix = prefix_groups(rows.input_ids, rows.attention_mask, rows.position_ids,
+                                                    rows.loss_mask)
+            if not bool((self.group >= 0).any()):
+                self.group = self.prefix = None
+
+    def micro_batches(self, index: torch.Tensor, lengths: torch.Tensor, packing: bool) -> list[tuple[torch.Tensor, int]]:
+        if self.group is None:
+            return micro_batches(index, lengths, self.budget, packing)
+        return shared_micro_batches(index, lengths, self.group, self.prefix, self.budget)
+
+    def of(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.group is None else (self.group[index], self.prefix[index])
+
+
+def means(stats: Stats) -> dict[str, float]:
+    """Each metric's mean over its entries, read from the device once, after the work is queued."""
+    return {k: float(torch.stack([x.float().cpu() for x in v]).mean()) for k, v in stats.items() if v}
+
+
+def _share(mask: torch.Tensor, normalizer: float, agg: str) -> torch.Tensor:
     """Undo the micro-batch's share of the normalizer so the logged loss is per token (or sequence)."""
-    count = float((mask.sum(1) > 0).sum()) if agg != "token-mean" else float(mask.sum())
-    return normalizer / count if count else 0.0
+    count = (mask.sum(1) > 0).sum() if agg != "token-mean" else mask.sum()
+    return torch.where(count > 0, normalizer / count.clamp(min=1), 0.0)
 
 
-def _add(stats: dict[str, list[float]], key: str, value: float) -> None:
-    stats.setdefault(key, []).append(value)
+def _add(stats: Stats, key: str, value: torch.Tensor) -> None:
+    stats.setdefault(key, []).append(value.detach())

@@ -19,7 +19,7 @@ __all__ = ["FastEngine", "build_hf_engine", "unsupported_reason"]
 
 
 def build_hf_engine(model_path: str, fast: Literal["auto", "on", "off"], device: str, dtype: str,
-                    max_batch_size: int, max_len: int, gather_ms: float, seed: int) -> Any:
+                    max_batch_size: int, max_len: int, gather_ms: float, seed: int, prefix_cache_tokens: int = 0) -> Any:
     """The embedded engine: FastEngine where `fast` asks for it and the model allows, else HFEngine.
 
     auto: the fast engine on a CUDA device for supported models (Llama, Qwen2/3, Mistral), HFEngine otherwise;
@@ -30,7 +30,7 @@ def build_hf_engine(model_path: str, fast: Literal["auto", "on", "off"], device:
 
     plain = dict(device=device, dtype=dtype, max_batch_size=max_batch_size, gather_ms=gather_ms, seed=seed)
     if fast == "off" or (fast == "auto" and resolve_device(device).type != "cuda"):
-        return HFEngine(model_path, **plain)
+        return HFEngine(model_path, prefix_cache_tokens=prefix_cache_tokens, **plain)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, resolve_device(device)))
     reason = unsupported_reason(model, max_len)
     if reason is None:
@@ -39,4 +39,4 @@ def build_hf_engine(model_path: str, fast: Literal["auto", "on", "off"], device:
         raise ValueError(f"engine.fast=on, but the fast engine does not support this model: {reason}. "
                          f"Set engine.fast=auto (falls back to the plain engine) or off.")
     log.info("engine.fast=auto: plain HF engine, the fast one does not support this model (%s)", reason)
-    return HFEngine(model_path, model=model, **plain)
+    return HFEngine(model_path, model=model, prefix_cache_tokens=prefix_cache_tokens, **plain)

@@ -1,0 +1,148 @@
+"""Packed micro-batches: a micro-batch's rows laid end to end in one row, attention kept inside each row.
+
+A right-padded [B, W] micro-batch computes every matmul on B x W tokens, W its longest row: rows of 512 to
+1024 tokens waste about a fifth of the work on padding. Packing concatenates the real tokens of the rows
+into one [1, N] row, position ids restarting at each row (they are the rows' own), and runs attention per
+segment: on CUDA the variable-length flash-attention kernel (`torch.nn.attention.varlen.varlen_attn`, Dao
+2023's varlen API) over the segment boundaries `cu_seqlens`, elsewhere SDPA under a block-diagonal causal
+mask built from the same boundaries (for tests; it costs N^2 memory). N is the token count rounded up to a
+multiple of `PAD_TO`; the tail is one more segment of padding tokens, so every position holds finite values
+(0 * NaN would poison the weight gradients). The outputs go back to the [B, W] layout (`Packed.scatter`),
+so losses, masks and metrics see the same tensors as without packing. The same idea as verl's
+`use_remove_padding` and HF's flash-attention path for packed position ids. torch 2.11's `varlen_attn` has
+no `enable_gqa`; its flash kernel takes fewer key/value heads than query heads as they are (checked against
+SDPA by `benchmarks/gpu_packing_check.py`). On one H200 (`turnrl bench train`, Qwen2.5-0.5B shape, 64 rows
+of 512-1024 tokens in one 64k-token micro-batch) an update ran at 57.0% MFU (6N) packed, 49.8% padded.
+
+Deviations: each row's first position reads the end of the previous row in the packed forward, so its
+logprob is set to 0 there, as the padded path does for column 0; a model whose layers include sliding-window
+attention is not supported. The model's attention is switched once (`use_packed_attention`): from then on
+every forward must be packed (HF's mask creation is skipped for an attention it does not know).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from turnrl.train.batching import to_device
+
+ATTENTION = "turnrl_packed"   # the name under transformers' AttentionInterface
+PAD_TO = 128                  # packed length granularity: GEMM-friendly, few distinct shapes
+
+
+@dataclass
+class Packed:
+    """Where the real tokens of a [B, W] micro-batch go in the packed [1, N] row."""
+    rows: torch.Tensor        # [n] the micro-batch row of each packed token, in packed order
+    cols: torch.Tensor        # [n] its column in that row
+    kept: torch.Tensor        # [n - rows] packed positions of all tokens but each row's first (scatter keeps these)
+    cu_seqlens: torch.Tensor  # [S + 1] int32 segment boundaries: the rows, then the padding tail if any
+    max_length: int           # the longest segment
+    length: int               # N: n rounded up to a multiple of PAD_TO
+
+    def gather(self, x: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+        """[B, W] -> [1, N]: the real tokens end to end, `fill` in the tail."""
+        out = torch.full((1, self.length), fill, dtype=x.dtype, device=x.device)
+        out[0, :len(self.rows)] = x[self.rows, self.cols]
+        return out
+
+    def scatter(self, y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """[1, N] -> [B, W] (differentiable): zeros at padding and at each row's first column."""
+        out = y.new_zeros(shape)
+        out[self.rows[self.kept], self.cols[self.kept]] = y[0, self.kept]
+        return out
+
+    def attention_kwargs(self) -> dict[str, Any]:
+        """What the model forward passes down to `packed_attention` (HF's flash-attention kwarg names)."""
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
+
+
+def pack(lengths: torch.Tensor, device: torch.device) -> Packed:
+    """The packing of rows of `lengths` [B], real tokens first in each row. Built on the CPU and copied
+    without a device sync, so the micro-batch loop never waits for the GPU."""
+    lengths = lengths.to(torch.long).cpu()
+    n = int(lengths.sum())
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(n) - torch.repeat_interleave(starts, lengths)
+    kept = torch.nonzero(cols > 0).squeeze(1)
+    length = -(-max(n, 1) // PAD_TO) * PAD_TO
+    bounds = [0, *torch.cumsum(lengths[lengths > 0], 0).tolist()]
+    if length > n:
+        bounds.append(length)
+    segments = torch.tensor(bounds, dtype=torch.int32)
+    max_length = int((segments[1:] - segments[:-1]).max())
+    return Packed(to_device(rows, device), to_device(cols, device), to_device(kept, device),
+                  to_device(segments, device), max_length, length)
+
+
+def packed_tokens(lengths: torch.Tensor) -> int:
+    """N for rows of `lengths`: what a packed micro-batch computes on."""
+    return -(-max(int(lengths.sum()), 1) // PAD_TO) * PAD_TO
+
+
+def use_packed_attention(model: Any) -> None:
+    """Switch `model` (plain or peft) to `packed_attention`; its forwards must then pass `Packed.attention_kwargs`."""
+    from transformers import AttentionInterface
+
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    if "sliding_attention" in (getattr(base.config, "layer_types", None) or []):
+        raise ValueError("trainer.packing: sliding-window attention layers are not supported; set "
+                         "trainer.packing=false")
+    if torch.cuda.is_available():
+        _varlen_params()   # read here, not while torch.compile traces the attention
+    AttentionInterface.register(ATTENTION, packed_attention)
+    base.set_attn_implementation(ATTENTION)
+    if base.config._attn_implementation != ATTENTION:
+        raise ValueError(f"trainer.packing: {type(base).__name__} cannot switch its attention implementation; "
+                         "set trainer.packing=false")
+
+
+def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF attention function: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> ([1, N, Hq, D], None),
+    causal within each segment of `cu_seq_lens_q`."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        raise ValueError("a model under packed attention (trainer.packing) was called without a packed row")
+    if query.is_cuda and value.dtype in (torch.float16, torch.bfloat16):
+        q, k, v = (x[0].transpose(0, 1).to(value.dtype).contiguous() for x in (query, key, value))
+        out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+        return out.unsqueeze(0), None
+    n = query.shape[2]
+    segment = torch.searchsorted(cu[1:].long(), torch.arange(n, device=query.device), right=True)
+    position = torch.arange(n, device=query.device)
+    mask = (segment[:, None] == segment[None, :]) & (position[:, None] >= position[None, :])
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None],
+                                                           scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_length: int,
+            scale: float | None) -> torch.Tensor:
+    """Causal varlen flash attention on [N, H, D] tensors, over the torch versions' spellings of it."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    extra: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params and q.shape[1] != k.shape[1]:
+        extra["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scale, **extra)
+
+
+_PARAMS: list[frozenset[str]] = []
+
+
+def _varlen_params() -> frozenset[str]:
+    if not _PARAMS:
+        from torch.nn.attention.varlen import varlen_attn
+        _PARAMS.append(frozenset(inspect.signature(varlen_attn).parameters))
+    return _PARAMS[0]
