@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,9 @@ class TrainRank:
     """One data-parallel rank (a Ray actor, one method at a time)."""
 
     def __init__(self, rank: int, world: int, spec: RankSpec):
+        # FSDP shards the lm_head: the fused head would read it outside the root forward, and the shared-prefix
+        # pass calls the decoder alone, so both stay off on ranks whatever the settings say
+        spec = replace(spec, settings=replace(spec.settings, fused_head=False, shared_prefix=False))
         self.rank, self.world, self.spec = rank, world, spec
         if spec.threads:
             torch.set_num_threads(spec.threads)

@@ -111,7 +111,7 @@ class DistributedTrainer:
         self.layout = place.plan_layout(t.placement, t.nodes, gpus, t.ranks, cfg.engine.replicas,
                                         cfg.engine.tensor_parallel_size, t.cpus_per_actor)
         gpu = self.layout.gpu
-        # On GPUs the fused head reads the lm_head weight outside FSDP's root forward (still sharded): off.
+        # The fused head reads the lm_head weight outside FSDP's root forward (still sharded): off (as on ranks).
         self.settings = dataclasses.replace(settings_from(cfg, torch.device("cuda" if gpu else "cpu")),
                                             fused_head=False, shared_prefix=False)
         self.group = place.reserve(self.layout)
