@@ -15,9 +15,7 @@ in the batch, up to float noise. Logprobs are log softmax(logits / temperature) 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -27,6 +25,7 @@ import torch
 from turnrl.engines.base import Completion, EngineError, Sampling
 from turnrl.engines.cpu_attention import use_decode_attention
 from turnrl.engines.prefix_cache import Entry, PrefixCache
+from turnrl.engines.worker import WorkerEngine
 
 
 @dataclass
@@ -84,7 +83,7 @@ def _truncate(probs: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
 
 
-class HFEngine:
+class HFEngine(WorkerEngine):
     """An in-process transformers engine; `generate` is safe to call from many coroutines at once."""
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
@@ -100,46 +99,17 @@ class HFEngine:
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
-        self.seed = seed
-        self.version = 0
-        self.in_flight = 0                 # requests submitted and not yet answered (for progress)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
                       "busy_s": 0.0, "prefix_hit_tokens": 0}
         self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and _plain_cache(model) else None
-        self._pending: deque[_Request] = deque()
-        self._cv = threading.Condition()
-        self._weights_lock = threading.Lock()
-        self._closed = False
-        self._counter = 0
-        self._thread = threading.Thread(target=self._worker, name="turnrl-hf-engine", daemon=True)
-        self._thread.start()
+        self._start_worker("turnrl-hf-engine", seed)
 
     # -- public API ----------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
-        if self._closed:
-            raise EngineError("engine is closed")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
-        if sampling.max_tokens < 1:  # the prefill always samples one token
-            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
-        loop = asyncio.get_running_loop()
+        self._check(prompt_ids, sampling)
         gen = torch.Generator(device="cpu")
-        with self._cv:
-            self._counter += 1
-            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._counter
-        gen.manual_seed(seed)
-        req = _Request(list(prompt_ids), sampling, loop, loop.create_future(), gen)
-        with self._cv:
-            self._pending.append(req)
-            self._cv.notify()
-        self.in_flight += 1
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.aborted = True
-            raise
-        finally:
-            self.in_flight -= 1
+        gen.manual_seed(self._seed_for(sampling))
+        return await self._submit(lambda loop, future: _Request(list(prompt_ids), sampling, loop, future, gen))
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (between decode steps; the worker holds the same lock per step)."""
@@ -152,12 +122,6 @@ class HFEngine:
             if self.prefix is not None:
                 self.prefix.clear()  # KV computed under the old weights must not be reused
         self.version = version
-
-    async def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        await asyncio.to_thread(self._thread.join, 5.0)
 
     # -- worker --------------------------------------------------------------------------------------
     def _take(self, limit: int, block: bool) -> list[_Request]:
@@ -298,19 +262,6 @@ class HFEngine:
         """Keep a finished request's KV (its prompt and all sampled tokens but the last, which was never fed)."""
         if self.prefix is not None:
             self.prefix.store(batch.entry(row, req.prompt + req.out[:-1]))
-
-    def _resolve(self, req: _Request, completion: Completion | None = None, exc: Exception | None = None) -> None:
-        def set_result() -> None:
-            if req.future.done():
-                return
-            if exc is not None:
-                req.future.set_exception(exc)
-            else:
-                req.future.set_result(completion)
-        try:
-            req.loop.call_soon_threadsafe(set_result)
-        except RuntimeError:  # the caller's loop is gone
-            pass
 
 
 class _Batch:

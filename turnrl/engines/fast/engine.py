@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import threading
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -43,6 +42,7 @@ from turnrl.engines.fast.decoder import SlotDecoder
 from turnrl.engines.fast.sampling import sample, seed_key
 from turnrl.engines.fast.step import KV_BUCKET, DecodeStep, SlotState, batch_bucket
 from turnrl.engines.hf import resolve_device, resolve_dtype
+from turnrl.engines.worker import WorkerEngine
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,10 @@ class _Pending:
             self.event.synchronize()
 
 
-class FastEngine:
+class FastEngine(WorkerEngine):
     """The embedded engine's fast path; `generate` is safe to call from many coroutines at once."""
+
+    join_timeout_s = 30.0   # a captured graph step may take a while to drain
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
                  max_len: int = 4096, gather_ms: float = 5.0, seed: int = 0, model: Any = None,
@@ -111,9 +113,6 @@ class FastEngine:
         self.state = SlotState(max_batch_size, max_len, max_stop_ids, self.device)
         self.max_stop_ids, self.prefill_tokens, self.max_inflight = max_stop_ids, prefill_tokens, max_inflight
         self.gather_s = gather_ms / 1000
-        self.seed = seed
-        self.version = 0
-        self.in_flight = 0
         graphs = cuda if cuda_graphs is None else cuda_graphs
         if graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
@@ -128,45 +127,20 @@ class FastEngine:
         self._snapshots: deque[_Pending] = deque()
         self._fetches: deque[_Pending] = deque()
         self._seq = 0
-        self._pending: deque[_Request] = deque()
-        self._cv = threading.Condition()
-        self._weights_lock = threading.Lock()
-        self._closed = False
-        self._counter = 0
-        self._thread = threading.Thread(target=self._worker, name="turnrl-fast-engine", daemon=True)
-        self._thread.start()
+        self._start_worker("turnrl-fast-engine", seed)
 
     # -- public API ----------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
-        if self._closed:
-            raise EngineError("engine is closed")
-        if not prompt_ids:
-            raise EngineError("empty prompt")
-        if sampling.max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        self._check(prompt_ids, sampling)
         if len(prompt_ids) >= self.max_len:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_len {self.max_len} "
                               f"(raise engine.max_model_len)")
         if len(sampling.stop_token_ids) > self.max_stop_ids:
             raise EngineError(f"{len(sampling.stop_token_ids)} stop tokens; the fast engine takes at most "
                               f"{self.max_stop_ids}")
-        loop = asyncio.get_running_loop()
-        with self._cv:
-            self._counter += 1
-            seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._counter
-        req = _Request(list(prompt_ids), sampling, min(sampling.max_tokens, self.max_len - len(prompt_ids)),
-                       seed_key(seed), loop, loop.create_future())
-        with self._cv:
-            self._pending.append(req)
-            self._cv.notify()
-        self.in_flight += 1
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            req.aborted = True
-            raise
-        finally:
-            self.in_flight -= 1
+        key = seed_key(self._seed_for(sampling))
+        limit = min(sampling.max_tokens, self.max_len - len(prompt_ids))
+        return await self._submit(lambda loop, future: _Request(list(prompt_ids), sampling, limit, key, loop, future))
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place, between decode steps, on the worker's stream (graphs stay valid)."""
@@ -183,12 +157,6 @@ class FastEngine:
             if self._stream is not None:
                 self._stream.synchronize()   # the sources may be freed once we return
         self.version = version
-
-    async def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        await asyncio.to_thread(self._thread.join, 30.0)
 
     # -- worker --------------------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -375,17 +343,4 @@ class FastEngine:
         try:
             self.state.active.zero_()
         except Exception:  # noqa: BLE001 - a broken device: nothing more to reset
-            pass
-
-    def _resolve(self, req: _Request, completion: Completion | None = None, exc: Exception | None = None) -> None:
-        def set_result() -> None:
-            if req.future.done():
-                return
-            if exc is not None:
-                req.future.set_exception(exc)
-            else:
-                req.future.set_result(completion)
-        try:
-            req.loop.call_soon_threadsafe(set_result)
-        except RuntimeError:  # the caller's loop is gone
             pass
