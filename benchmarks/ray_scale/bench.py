@@ -6,11 +6,12 @@ Phases (each prints its figures; all go to OUT/ray_scale.json, and a table at th
 - scaling: the same synthetic batch (128 rows of 512-1024 tokens, loss on their second half) updated by 1 FSDP2
   rank on one GPU and by 2 ranks on two GPUs (NCCL): step time, tokens/s, scaling = tps(2) / (2 x tps(1)). Check:
   the first update's objective agrees between 1 and 2 ranks (bf16 autocast: to about 1e-2).
-- split_sync / split_async: the RL loop with `trainer.placement=split`: one hf-engine replica on GPU 0, one
+- split_sync / split_async / split_partial: the RL loop with `trainer.placement=split`: one hf-engine replica on GPU 0, one
   training rank on GPU 1, weights over NCCL broadcast. The work is multi-turn: each row's simulated user ends
   the conversation after k turns, k drawn from 1..6 with P(k) ~ 2^-k (most are short, a few are long: the
-  stragglers that a synchronous step waits for). Same rows, seeds and sizes for both; async uses
-  max_staleness=1 and algo.tis_cap=2. Step time is the mean over all steps but the first (warm-up). Checks:
+  stragglers that a synchronous step waits for). Same rows, seeds and sizes for all; async uses
+  max_staleness=1 and algo.tis_cap=2; partial is async with `engine.partial_rollout` (weight syncs interrupt
+  the requests in flight, which resume on the new weights). Step time is the mean over all steps but the first (warm-up). Checks:
   the engine holds the trainer's weights after the last sync, every trajectory stayed on one replica, and no
   batch was staler than max_staleness.
 
@@ -169,7 +170,7 @@ def rl_config(out: Path, model_dir: Path, data: Path, args: argparse.Namespace, 
     cfg_file.write_text(json.dumps({
         "model": {"name": str(model_dir)},
         "engine": {"kind": "hf", "dtype": "float32" if args.cpu else "auto", "max_batch_size": 256, "gather_ms": 2.0,
-                   "max_model_len": 1024, "fast": args.fast},
+                   "max_model_len": 1024, "fast": args.fast, "partial_rollout": mode == "partial"},
         "rollout": {"n": args.n, "max_assistant_turns": 8, "max_user_turns": 8, "max_response_tokens": 4096,
                     "max_context_tokens": 8192, "concurrency": 1024,
                     "sampling": {"max_tokens_per_turn": args.max_tokens},
@@ -181,7 +182,7 @@ def rl_config(out: Path, model_dir: Path, data: Path, args: argparse.Namespace, 
                     "dtype": "float32" if args.cpu else "auto",
                     "micro_batch_tokens": args.micro_tokens, "optim": {"lr": 1e-6}, "save_every": 0,
                     "keep_checkpoints": 1, "trajectories_per_step_saved": 0, "weight_sync": sync,
-                    "async_rollout": mode == "async", "max_staleness": 1},
+                    "async_rollout": mode in ("async", "partial"), "max_staleness": 1},
         "logging": {"sinks": [], "progress": "off"},
         "output_dir": str(out / f"run-{mode}")}))
     return load_config(str(cfg_file), [])
@@ -227,9 +228,12 @@ async def rl_phase(model_dir: Path, data: Path, args: argparse.Namespace, mode: 
            "straggler_tail_frac": mean("straggler/tail_frac"), "straggler_last_s": mean("straggler/last_s"),
            "straggler_p50_s": mean("straggler/p50_s"), "turns_mean": mean("turns/mean"),
            "max_staleness_seen": max(m["async/staleness"] for m in history),
+           "token_staleness_mean": mean("staleness/token_mean"),
+           "interrupted_turns_per_step": mean("partial/interrupted_turns"),
            "checks": {"engine_matches_trainer_rel": worst, "sticky": sticky,
                       "trajectories": len(trajectories)},
-           "per_step": [{k: v for k, v in m.items() if k.startswith(("time/", "throughput/", "straggler/", "async/"))}
+           "per_step": [{k: v for k, v in m.items()
+                         if k.startswith(("time/", "throughput/", "straggler/", "async/", "staleness/", "partial/"))}
                         for m in history]}
     print(f"[{mode}] {out['step_s']:.2f} s/step (rollout {out['rollout_s']:.2f}, wait {out['wait_rollout_s']:.2f}, "
           f"update {out['update_s']:.2f}, sync {out['sync_s']:.2f}); weights {out['weight_sync']}", flush=True)
@@ -247,15 +251,20 @@ def table(report: dict[str, Any]) -> str:
         lines += [f"| FSDP2 1 GPU: step / tokens/s | {s['ranks1']['step_s']:.3f} s / {s['ranks1']['tokens_per_s']:,.0f} |",
                   f"| FSDP2 2 GPUs: step / tokens/s | {s['ranks2']['step_s']:.3f} s / {s['ranks2']['tokens_per_s']:,.0f} |",
                   f"| scaling (2 GPUs vs 1) | {s['speedup']:.2f}x ({100 * s['scaling_efficiency']:.0f}% efficiency) |"]
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "partial"):
         r = report.get(f"split_{mode}")
         if r:
             lines += [f"| split {mode}: step time | {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f}, trainer waits "
                       f"{r['wait_rollout_s']:.2f}, update {r['update_s']:.2f}, sync {r['sync_s']:.2f}) |",
                       f"| split {mode}: policy tokens/s per step | {r['policy_tokens_per_step_s']:,.0f} |",
                       f"| split {mode}: straggler tail (last - p50) / last | {r['straggler_tail_frac']:.2f} |"]
-    if report.get("split_sync") and report.get("split_async"):
-        lines.append(f"| async vs sync step time | {report['split_sync']['step_s'] / report['split_async']['step_s']:.2f}x |")
+            if mode == "partial":
+                lines.append(f"| split partial: interrupted turns per step, token staleness | "
+                             f"{r['interrupted_turns_per_step']:.1f}, {r['token_staleness_mean']:.2f} |")
+    for mode in ("async", "partial"):
+        if report.get("split_sync") and report.get(f"split_{mode}"):
+            lines.append(f"| {mode} vs sync step time | "
+                         f"{report['split_sync']['step_s'] / report[f'split_{mode}']['step_s']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -263,12 +272,12 @@ def checks(report: dict[str, Any], max_staleness: int) -> dict[str, bool]:
     out = {}
     if "scaling" in report:
         out["fsdp_1_vs_2_objective_agrees"] = report["scaling"]["objective_rel_diff"] < 2e-2
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "partial"):
         r = report.get(f"split_{mode}")
         if r:
             out[f"{mode}_engine_holds_trainer_weights"] = r["checks"]["engine_matches_trainer_rel"] < 1e-2
             out[f"{mode}_trajectories_sticky"] = r["checks"]["sticky"]
-            out[f"{mode}_staleness_bounded"] = r["max_staleness_seen"] <= (max_staleness if mode == "async" else 0)
+            out[f"{mode}_staleness_bounded"] = r["max_staleness_seen"] <= (max_staleness if mode != "sync" else 0)
     return out
 
 
@@ -284,7 +293,7 @@ async def main(args: argparse.Namespace) -> int:
     model_dir = build_model(args.out, args.tokenizer, args.model)
     data = args.out / "rows.jsonl"
     write_rows(data, args.prompts * args.steps, 0)
-    phases = [p for p in ("scaling", "sync", "async") if args.phase in ("all", p)]
+    phases = [p for p in ("scaling", "sync", "async", "partial") if args.phase in ("all", p)]
     for phase in phases:
         if time.perf_counter() - start > args.budget_s:
             report["errors"][phase] = f"skipped: past the {args.budget_s:.0f} s budget"
@@ -321,7 +330,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ray_scale")))
     p.add_argument("--tokenizer", type=Path, required=True, help="a model dir with the SmolLM2 tokenizer")
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    p.add_argument("--phase", choices=["all", "scaling", "sync", "async"], default="all")
+    p.add_argument("--phase", choices=["all", "scaling", "sync", "async", "partial"], default="all")
     p.add_argument("--steps", type=int, default=5, help="RL steps per mode (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4)

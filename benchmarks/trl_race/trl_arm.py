@@ -38,7 +38,7 @@ def load_race_config(overrides: list[str]) -> Any:
 def ordered_tasks(cfg: Any, steps: int) -> list[Any]:
     """The tasks turnrl's trainer takes in its first `steps` steps, in its order."""
     from turnrl.data import load_dataset
-    from turnrl.train.trainer import DataOrder
+    from turnrl.train.setup import DataOrder
     d = cfg.data.train
     order = DataOrder(load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows), cfg.seed, cfg.data.shuffle)
     return order.take(steps * cfg.data.prompts_per_step)

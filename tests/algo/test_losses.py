@@ -101,7 +101,8 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
     out.loss.backward()
     assert lp.grad[1, 1].item() == 0.0  # the capped token no longer pushes
     # A huge ratio on a positive advantage is untouched by dual clip (only the ordinary clip applies).
-    pos = ppo_policy_loss(t([[math.log(50.0)]]), torch.zeros(1, 1), t([[1.0]]), t([[1]]), dual_clip=3.0)
+    pos = ppo_policy_loss(t([[math.log(50.0)]]), torch.zeros(1, 1), t([[1.0]]), t([[1]]), clip_high=0.2,
+                          dual_clip=3.0)
     assert_close(pos.loss, torch.tensor(-1.2))
     with pytest.raises(ValueError, match="dual_clip"):
         ppo_policy_loss(_logprobs(), OLD, ADV, PG_MASK, dual_clip=1.0)

@@ -30,6 +30,11 @@ def test_bench_train_writes_the_report(tmp_path):
     m = report["model"]
     assert m["n_params"] > m["n_params_non_embedding"] > 0 and 0 < m["n_trainable"] < m["n_params"]
     assert w["flops_6n"] == 6 * m["n_params"] * w["tokens"]
+    # executed: body 6N at every token, the fused head (8 V h) at policy tokens only, causal attention
+    head = 8 * m["vocab"] * m["hidden"] * w["policy_tokens"]
+    assert m["n_params_body"] == m["n_params_non_embedding"]          # tied: the head is the embedding
+    assert 6 * m["n_params_body"] * w["tokens"] + head < w["flops_executed"] < w["flops_with_attention"]
+    assert run["update_mfu_executed"] == pytest.approx(w["flops_executed"] / run["update_s"] / 1e12)
     cfg = report["config"]
     assert cfg["model"] == "tiny-shape" and cfg["lora"]["rank"] == 4 and cfg["lora"]["alpha"] == 8
     assert cfg["batch"] == 4 and cfg["seq_len"] == 32 and cfg["trainer"]["micro_batch_tokens"] == 64
@@ -67,16 +72,20 @@ def test_synthetic_rows_look_like_a_multi_turn_batch():
 
 def test_flops_count_real_tokens_and_attention():
     rows = synthetic_rows(2, 8, 50, torch.device("cpu"), min_fraction=1.0)
-    counts = {"n_params": 1000, "layers": 2, "attention_width": 4}
+    counts = {"n_params": 1000, "n_params_body": 600, "layers": 2, "attention_width": 4, "vocab": 50, "hidden": 8}
     w = work(rows, 16, counts)
     assert w["tokens"] == 16 and w["padded_tokens"] == 16 and w["padding_fraction"] == 0
     assert w["flops_6n"] == 6 * 1000 * 16
     assert w["flops_with_attention"] == w["flops_6n"] + 12 * 2 * 4 * (8 ** 2 + 8 ** 2)
+    # executed: body at every token, the fused head at policy tokens, causal attention (position i sees i keys)
+    causal = 6 * 2 * 4 * 2 * sum(range(8))
+    assert w["flops_executed"] == 6 * 600 * 16 + 8 * 50 * 8 * w["policy_tokens"] + causal
+    assert work(rows, 16, counts, fused_head=False)["flops_executed"] == 6 * 600 * 16 + 6 * 50 * 8 * 16 + causal
 
 
 def test_packed_work_counts_packed_lengths():
     rows = synthetic_rows(2, 8, 50, torch.device("cpu"), min_fraction=1.0)
-    counts = {"n_params": 1000, "layers": 2, "attention_width": 4}
+    counts = {"n_params": 1000, "n_params_body": 600, "layers": 2, "attention_width": 4, "vocab": 50, "hidden": 8}
     w = work(rows, 16, counts, packing=True)
     assert w["tokens"] == 16 and w["padded_tokens"] == PAD_TO   # one packed micro-batch, rounded up
 

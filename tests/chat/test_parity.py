@@ -42,7 +42,8 @@ def test_synthetic_ledgers_equal_the_full_render(smol_template, name):
     assert report.result == "exact" and traj.parity == "exact"
     t = smol_template
     assert traj.segment.token_ids == t.encode(t.render(traj.messages))
-    assert [m["content"] for m in traj.messages if m["role"] == "assistant"] == \
+    # the reasoning is kept apart (reasoning_content) and joins back to the text as sampled
+    assert [t.join_reasoning(m)["content"] for m in traj.messages if m["role"] == "assistant"] == \
         [m["content"] for m in messages if m["role"] == "assistant"]
     assert len(traj.turns) == sum(m["role"] == "assistant" for m in messages)
     traj.check()

@@ -4,7 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnrl.chat.parsers import PARSERS, HermesParser, Llama3JsonParser, get_parser, strip_reasoning
+from families import FAMILIES, family_tokenizer, rendered_assistant_text
+from turnrl.chat.parsers import (PARSERS, CannotForce, DeepSeekV3Parser, HermesParser, Llama3JsonParser, MistralParser,
+                                 PythonicParser, Qwen3CoderParser, get_parser, strip_reasoning)
+from turnrl.chat.templates import ChatTemplate
 from turnrl.ledger import ToolCall
 
 hermes = HermesParser()
@@ -152,7 +155,8 @@ def test_llama3_bad_objects_carry_errors():
 def test_get_parser():
     assert isinstance(get_parser("hermes"), HermesParser)
     assert isinstance(get_parser("llama3_json"), Llama3JsonParser)
-    with pytest.raises(ValueError, match=r"Unknown tool_parser 'nope'\. Known parsers: hermes, llama3_json\."):
+    with pytest.raises(ValueError, match=r"Unknown tool_parser 'nope'\. Known parsers: hermes, llama3_json, "
+                                         r"qwen3_coder, pythonic, mistral, deepseek_v3, or 'auto'\."):
         get_parser("nope")
 
 
@@ -161,11 +165,16 @@ def test_get_parser():
 
 FRAGMENTS = st.sampled_from(["<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>", "{", "}",
                              "[", "]", ";", '"name"', '"arguments"', '"parameters"', ":", ",", '"', "\\", "null",
-                             "\n", " ", "1", "calc", "{}", '"x"'])
+                             "\n", " ", "1", "calc", "{}", '"x"',
+                             # qwen3_coder, pythonic, mistral, deepseek_v3
+                             "<function=calc>", "</function>", "<parameter=x>", "</parameter>", "<function=",
+                             "<parameter=", ">", "f(", "(", ")", "=", "x=1", "**", "'", "<|python_start|>",
+                             "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                             "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "function", "```json", "```"])
 TEXTS = st.one_of(st.text(max_size=200), st.lists(st.one_of(FRAGMENTS, st.text(max_size=5)), max_size=40).map("".join))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=1200, deadline=None)
 @given(TEXTS, st.sampled_from(sorted(PARSERS)))
 def test_parse_never_raises(text, name):
     calls = get_parser(name).parse(text)
@@ -174,3 +183,188 @@ def test_parse_never_raises(text, name):
         assert isinstance(call, ToolCall) and call.id == f"call_{i}"
         # Either a usable call or an explained failure, never both or neither.
         assert (call.error is None) == (isinstance(call.arguments, dict) and bool(call.name))
+
+
+# ------------------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_round_trip_through_the_published_template(family, smol_tokenizer):
+    """The family's template renders an assistant tool call; the model would sample those tokens up to its
+    end-of-turn token; the family's parser reads the same calls back from the decoded tokens."""
+    fam = FAMILIES[family]
+    tok = family_tokenizer(smol_tokenizer, fam)
+    template = ChatTemplate(tok)
+    ids = template.encode(rendered_assistant_text(tok, fam))
+    stop = next((i for i, t in enumerate(ids) if t in template.stop_token_ids), len(ids))
+    sampled = template.decode(ids[:stop])
+    calls = get_parser(fam.parser).parse(sampled)
+    assert summary(calls) == [(name, args, None) for name, args in fam.calls], sampled
+    assert [c.id for c in calls] == [f"call_{i}" for i in range(len(fam.calls))]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_parsers_do_not_read_a_family_s_calls(family, smol_tokenizer):
+    fam = FAMILIES[family]
+    text = rendered_assistant_text(family_tokenizer(smol_tokenizer, fam), fam)
+    for name in PARSERS:
+        if name != fam.parser:
+            assert not [c for c in get_parser(name).parse(text) if c.error is None], name
+
+
+# ------------------------------------------------------------------------------------------- qwen3_coder
+
+
+qwen3_coder = Qwen3CoderParser()
+
+
+def test_qwen3_coder_values_and_text_before_the_call():
+    text = ("I'll look it up.\n<tool_call>\n<function=f>\n<parameter=s>\n  two\nlines  \n</parameter>\n"
+            "<parameter=n>\n-2.5\n</parameter>\n<parameter=b>\nTrue\n</parameter>\n<parameter=o>\n{\"a\": [1]}\n"
+            "</parameter>\n<parameter=none>\nNone\n</parameter>\n</function>\n</tool_call>")
+    assert summary(qwen3_coder.parse(text)) == [
+        ("f", {"s": "  two\nlines  ", "n": -2.5, "b": True, "o": {"a": [1]}, "none": None}, None)]
+
+
+@pytest.mark.parametrize("text, name, error", [
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>", "", "unterminated <tool_call>"),
+    ("<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "", "<tool_call> holds no <function=NAME> block"),
+    ("<tool_call>\n<function=>\n</function>\n</tool_call>", "", "<function=...> has no name"),
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call>", "f", "<function=f> is not closed"),
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>", "f",
+     "<parameter=a> is not closed"),
+])
+def test_qwen3_coder_malformed(text, name, error):
+    (call,) = qwen3_coder.parse(text)
+    assert call.name == name and call.arguments is None and call.error.startswith(error)
+
+
+# ------------------------------------------------------------------------------------------- pythonic
+
+
+pythonic = PythonicParser()
+
+
+def test_pythonic_calls_with_prose_tags_and_nested_literals():
+    text = ('Checking both.<|python_start|>[get_weather(city="Oslo", days=2), api.search(q=\'a, b\', '
+            'filters={"lang": ["en"]}, limit=None)]<|python_end|>')
+    assert summary(pythonic.parse(text)) == [("get_weather", {"city": "Oslo", "days": 2}, None),
+                                             ("api.search", {"q": "a, b", "filters": {"lang": ["en"]}, "limit": None},
+                                              None)]
+
+
+@pytest.mark.parametrize("text", ["The answer is [1, 2].", "See [the docs](x) [f]", "[]", "no brackets",
+                                  "Call [f(x=1)] first, then tell me.", "<think>[f(a=1)]</think>done"])
+def test_pythonic_plain_text_has_no_calls(text):
+    assert pythonic.parse(text) == []
+
+
+@pytest.mark.parametrize("text, name, error", [
+    ("[get_weather(city=Paris)]", "get_weather", "get_weather: argument 'city' is not a Python literal"),
+    ("[f(1, 2)]", "f", "f: write the arguments as keywords"),
+    ("[f(**kw)]", "f", "f: '**' arguments are not allowed"),
+    ("[f(a=1), g(b=]", "", "not a Python list of calls: SyntaxError"),
+    ("[f(a=__import__('os').system('x'))]", "f", "f: argument 'a' is not a Python literal"),
+])
+def test_pythonic_malformed(text, name, error):
+    (call,) = pythonic.parse(text)
+    assert call.name == name and call.arguments is None and call.error.startswith(error)
+
+
+def test_pythonic_mixed_list_and_deep_nesting_are_errors():
+    (call,) = pythonic.parse("[f(a=1), 2]")
+    assert call.error == 'every item of the list must be a call, e.g. [f(a=1), g(b="x")]'
+    (call,) = pythonic.parse("[f(a=" + "[" * 100_000 + "]" * 100_000 + ")]")
+    assert call.arguments is None and call.error
+
+
+# ------------------------------------------------------------------------------------------- mistral
+
+
+mistral = MistralParser()
+
+
+def test_mistral_v11_named_calls_and_string_arguments():
+    assert summary(mistral.parse('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[CALL_ID]x12345678[ARGS]{}')) == [
+        ("f", {"a": 1}, None), ("g", {}, None)]
+    assert summary(mistral.parse('Sure. [TOOL_CALLS] [{"name": "f", "arguments": "{\\"a\\": 2}"}]')) == [
+        ("f", {"a": 2}, None)]
+
+
+@pytest.mark.parametrize("text, name, error", [
+    ("[TOOL_CALLS] [{\"name\": \"f\", ", "", "malformed JSON after [TOOL_CALLS]"),
+    ("[TOOL_CALLS] []", "", "[TOOL_CALLS] is followed by an empty list"),
+    ("[TOOL_CALLS] get_weather", "", "[TOOL_CALLS] must be followed by a JSON list or by NAME[ARGS]{...}"),
+    ("[TOOL_CALLS][ARGS]{}", "", "the tool call has no name before [ARGS]"),
+    ("[TOOL_CALLS]f[ARGS]{\"a\": ", "f", "arguments are not valid JSON"),
+    ("[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": [1]}]", "f", "'arguments' must be a JSON object"),
+])
+def test_mistral_malformed(text, name, error):
+    (call,) = mistral.parse(text)
+    assert call.name == name and call.arguments is None and call.error.startswith(error)
+
+
+# ------------------------------------------------------------------------------------------- deepseek_v3
+
+
+deepseek = DeepSeekV3Parser()
+DS = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+
+
+def test_deepseek_v31_form():
+    assert summary(deepseek.parse(DS.format('get_weather<｜tool▁sep｜>{"city": "Rome"}'))) == [
+        ("get_weather", {"city": "Rome"}, None)]
+
+
+@pytest.mark.parametrize("inner, name, error", [
+    ("function<｜tool▁sep｜>f\n```json\n{\"a\": \n```", "f", "arguments are not valid JSON"),
+    ("function get_weather", "", "the tool call has no <｜tool▁sep｜>"),
+    ("<｜tool▁sep｜>{}", "", "the tool call has no name"),
+])
+def test_deepseek_malformed(inner, name, error):
+    (call,) = deepseek.parse(DS.format(inner))
+    assert call.name == name and call.arguments is None and call.error.startswith(error)
+    (call,) = deepseek.parse("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}")
+    assert call.error.startswith("unterminated tool call")
+
+
+# ------------------------------------------------------------------------------------------- forced openings
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_forced_opening_is_how_the_published_template_starts_a_call(family, smol_tokenizer):
+    """`tool_choice: required` / a named function put the parser's opening ahead of the reply: it must be what
+    the family's template writes, reasoning aside, so the model continues a call it was trained to write."""
+    fam = FAMILIES[family]
+    written = rendered_assistant_text(family_tokenizer(smol_tokenizer, fam), fam).split("</think>")[-1].lstrip()
+    parser = get_parser(fam.parser)
+    assert parser.name == fam.parser
+    assert written.startswith(parser.forced_opening(None)), written
+    try:
+        named = parser.forced_opening(fam.calls[0][0])
+    except CannotForce:
+        assert fam.parser in ("mistral", "deepseek_v3")   # the named syntax depends on the model's version
+    else:
+        assert written.startswith(named) and fam.calls[0][0] in named, (named, written)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_forced_opening_then_a_call_parses_as_that_call(name):
+    rest = {"hermes": ('get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+                       ' {"city": "Paris"}}\n</tool_call>'),
+            "llama3_json": ('get_weather", "parameters": {"city": "Paris"}}', ' {"city": "Paris"}}'),
+            "qwen3_coder": ("get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+                            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
+            "pythonic": ('get_weather(city="Paris")]', 'city="Paris")]'),
+            "mistral": (' [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None),
+            "deepseek_v3": ('get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                            None)}
+    parser = get_parser(name)
+    required, named = rest[name]
+    assert summary(parser.parse(parser.forced_opening(None) + required)) == [("get_weather", {"city": "Paris"}, None)]
+    if named is None:
+        with pytest.raises(CannotForce, match="cannot tell"):
+            parser.forced_opening("get_weather")
+    else:
+        assert summary(parser.parse(parser.forced_opening("get_weather") + named)) == \
+            [("get_weather", {"city": "Paris"}, None)]

@@ -172,7 +172,9 @@ def test_stripped_reasoning_splits_into_a_fresh_sample(strip_thinking):
     session.add_environment([USER2], 0)
     assert len(traj.segments) == 2 and traj.parity == "split"
     history = [{"role": "user", "content": "6 * 7?"}, {"role": "assistant", "content": THOUGHT}, USER2]
-    assert traj.messages == history
+    # the reasoning is kept as reasoning_content; rendered, it joins back to what was sampled
+    assert traj.messages[1] == {"role": "assistant", "content": "\n\n42", "reasoning_content": "\nEasy: 6 * 7 = 42.\n"}
+    assert [t.join_reasoning(m) for m in traj.messages] == history
     assert traj.segments[1].token_ids == t.encode(t.render(history, add_generation_prompt=True))
     assert set(traj.segments[1].sources) == {Source.PROMPT}
     assert "<think>" not in t.decode(traj.segments[1].token_ids)   # the new sample sees the stripped history

@@ -181,3 +181,62 @@ def test_strip_thinking_probes_and_behaviour(strip_thinking):
     convo = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>\n\nA"}]
     assert "<think>x</think>" in t.render(convo)
     assert "<think>" not in t.render(convo + [{"role": "user", "content": "b"}])
+
+
+# ------------------------------------------------------------------------------------------- kwargs, reasoning
+
+
+def qwen3(smol_tokenizer, **kwargs):
+    from families import FAMILIES, family_tokenizer
+    return ChatTemplate(family_tokenizer(smol_tokenizer, FAMILIES["qwen3"]), template_kwargs=kwargs)
+
+
+def test_template_kwargs_reach_the_template(smol_tokenizer):
+    user = [{"role": "user", "content": "hi"}]
+    assert qwen3(smol_tokenizer).render(user, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    off = qwen3(smol_tokenizer, enable_thinking=False)
+    assert off.render(user, add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert off.generation_prompt == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_template_kwargs_are_checked(smol_tokenizer):
+    with pytest.raises(TemplateError, match=r"never reads \['enable_thinkng'\]: drop them"):
+        qwen3(smol_tokenizer, enable_thinkng=False)
+    with pytest.raises(TemplateError, match=r"cannot set \['tools'\]: turnrl passes those itself"):
+        qwen3(smol_tokenizer, tools=[])
+
+
+def test_reasoning_splits_and_joins_exactly(smol_template, smol_tokenizer):
+    t = smol_template
+    for text, reasoning, answer in [("<think>\nplan\n</think>\n\n42", "\nplan\n", "\n\n42"),
+                                    ("<think></think>x", "", "x"),
+                                    ("42", None, "42"),
+                                    (" <think>a</think>b", None, " <think>a</think>b"),   # not leading
+                                    ("<think>unfinished", None, "<think>unfinished"),
+                                    ("<think>a<think>b</think>c", None, "<think>a<think>b</think>c")]:
+        assert t.split_reasoning(text) == (reasoning, answer)
+        message = {"role": "assistant", "content": answer}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        assert t.join_reasoning(message)["content"] == text
+        assert "reasoning_content" not in t.join_reasoning(message)
+    # A prompt that opens the thinking block (DeepSeek-R1 style): the reply only closes it.
+    opens = copy.deepcopy(smol_tokenizer)
+    opens.chat_template = smol_tokenizer.chat_template.replace(
+        "{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>assistant\n<think>\n' }}")
+    o = ChatTemplate(opens)
+    assert o.prompt_opens_thinking and not t.prompt_opens_thinking
+    assert o.split_reasoning("plan\n</think>\n\n42") == ("plan\n", "\n\n42")
+    assert o.join_reasoning({"role": "assistant", "content": "\n\n42", "reasoning_content": "plan\n"})["content"] \
+        == "plan\n</think>\n\n42"
+
+
+def test_qwen3_reads_the_reasoning_the_session_keeps_apart(smol_tokenizer):
+    """Qwen3 renders the latest turn's reasoning and drops older ones; rendering the split message gives what
+    rendering the raw text gives, both ways."""
+    t = qwen3(smol_tokenizer)
+    raw = [{"role": "user", "content": "6*7?"}, {"role": "assistant", "content": "<think>\nsix sevens\n</think>\n\n42"}]
+    split = [raw[0], {"role": "assistant", "content": "\n\n42", "reasoning_content": "\nsix sevens\n"}]
+    more = [{"role": "user", "content": "and 6*8?"}]
+    assert t.render(split) == t.render(raw) and "six sevens" in t.render(split)
+    assert t.render(split + more) == t.render(raw + more) and "six sevens" not in t.render(split + more)

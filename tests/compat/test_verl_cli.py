@@ -136,11 +136,12 @@ def demo(k: int) -> list[dict]:
 
 
 def verl_row(i: int, n: int, agent: str, tools: bool = True, interaction: bool = True) -> dict:
-    extra = {"index": i, "split": "train"}
-    if tools:
-        extra["tools_kwargs"] = {"counter": {"create_kwargs": {"start": 0}}}
-    if interaction:
-        extra["interaction_kwargs"] = {"name": "retry", "ground_truth": str(n)}
+    """A verl row; a row without tools (interaction) carries an empty `tools_kwargs` (`interaction_kwargs`), as
+    verl's preprocessing scripts write them: in a parquet file whose rows mix modes, pyarrow reads these back
+    null-filled (`{counter: None}`, `{name: None, ground_truth: None}`)."""
+    extra = {"index": i, "split": "train",
+             "tools_kwargs": {"counter": {"create_kwargs": {"start": 0}}} if tools else {},
+             "interaction_kwargs": {"name": "retry", "ground_truth": str(n)} if interaction else {}}
     return {"data_source": "counter", "agent_name": agent, "ability": "tool",
             "prompt": [{"role": "system", "content": "You are a helpful assistant."}, *demo(4), *demo(5),
                        {"role": "user", "content": f"Call the counter tool {n} times, then tell me the count."}],
@@ -151,8 +152,8 @@ def verl_row(i: int, n: int, agent: str, tools: bool = True, interaction: bool =
 def verl_project(tmp_path, monkeypatch):
     """What a verl user brings: data, tool and interaction configs, an agent-loop registry, and their $VARS."""
     monkeypatch.syspath_prepend(str(HERE))          # the YAMLs name `verl_env.CounterTool`, as verl configs do
-    rows = [verl_row(0, 3, "tool_agent"), verl_row(1, 4, "tool_agent"),
-            verl_row(2, 3, "single_turn_agent"), verl_row(3, 4, "collabllm_agent")]
+    rows = [verl_row(0, 3, "tool_agent", interaction=False), verl_row(1, 4, "tool_agent"),   # modes mixed
+            verl_row(2, 3, "single_turn_agent"), verl_row(3, 4, "collabllm_agent", tools=False)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     (tmp_path / "tools.yaml").write_text(TOOLS_YAML)
     config_dir = tmp_path / "recipe/collabllm/config"
@@ -212,7 +213,7 @@ def test_the_issue_line_translates_key_by_key(verl_project):
     assert (cfg.algo.kl_coef, cfg.algo.kl_type, cfg.algo.kl_in_reward) == (0.001, "low_var_kl", False)
     assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (64, 64.0, "all-linear")
     assert (cfg.rollout.max_user_turns, cfg.rollout.max_assistant_turns, cfg.rollout.tool_parser) == (3, 4, "hermes")
-    assert cfg.trainer.optim.lr == 1e-6 and cfg.trainer.dtype == "bfloat16"
+    assert cfg.trainer.optim.lr == 1e-6 and cfg.trainer.dtype == "auto"
     assert cfg.logging.sinks == ["wandb"] and (cfg.logging.project, cfg.logging.run_name) == ("verl-compat", "e2e")
     assert cfg.output_dir == env["SAVE_DIR"] and cfg.trainer.save_every == 30 and cfg.trainer.eval_every == 0
     assert cfg.trainer.steps == 20 * (4 // 2)                     # total_epochs x (rows // train_batch_size)
@@ -456,7 +457,7 @@ def test_reward_function_with_reward_kwargs(tmp_path):
     cfg = t.config(["data.train.task=calculator"])
     assert cfg.reward.functions == [f"{fn}:score"] and cfg.reward.function_kwargs == [{"scale": 2.5}]
     from turnrl.ledger import Trajectory
-    from turnrl.rollout.run import reward_functions
+    from turnrl.rewards.build import reward_functions
     (rf,) = reward_functions(cfg)
     traj = Trajectory("g", 0, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "it is 7"}],
                       info={"ground_truth": "7", "data_source": "x"})
@@ -481,8 +482,8 @@ def test_collabllm_reward_keys():
     assert t.errors and "env:NAME" in t.errors[0].note
     from turnrl.compat.verl_cli import format_table
     assert "sk-secret-123" not in format_table(t)
-    t = translate(["reward_model.reward_manager=dapo"], {})
-    assert t.errors and "naive, collabllm" in t.errors[0].note
+    t = translate(["reward_model.reward_manager=prime"], {})
+    assert t.errors and "naive, collabllm, dapo" in t.errors[0].note
     t = translate(["+reward_model.reward_kwargs.metric_weights.accuracy=1"], {})
     assert t.errors and "collabllm" in t.errors[0].note
 
@@ -494,7 +495,7 @@ def test_agent_loop_registry_accepts_only_loops_turnrl_runs(tmp_path):
     assert t.errors and "['my_react_agent']" in t.errors[0].note
 
 
-def test_chat_template_kwargs_the_template_reads_are_refused(tmp_path):
+def test_chat_template_kwargs_the_template_reads_are_honoured(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -502,7 +503,9 @@ def test_chat_template_kwargs_the_template_reads_are_refused(tmp_path):
         {"chat_template": "{% if enable_thinking %}<think>{% endif %}{{ messages }}"}))
     t = translate([f"actor_rollout_ref.model.path={model}", "+data.apply_chat_template_kwargs.enable_thinking=False"],
                   {})
-    assert t.errors and "reads 'enable_thinking'" in t.errors[0].note
+    row = next(r for r in t.rows if r.key == "data.apply_chat_template_kwargs.enable_thinking")
+    assert row.status == HONOURED and "model.chat_template_kwargs.enable_thinking" in row.turnrl
+    assert t.assign["model.chat_template_kwargs.enable_thinking"] is False
 
 
 # -- the prompt check (filter_overlong_prompts, truncation=error) --------------------------------------

@@ -130,7 +130,7 @@ def test_huge_integer_is_a_config_error():
 @pytest.mark.parametrize("override, key, suggestion", [
     ("algo.advantage=gpro", "algo.advantage", "'grpo'"),
     ("rollout.on_mismatch=splt", "rollout.on_mismatch", "'split'"),
-    ("model.dtype=bf16", "model.dtype", "'bfloat16'"),
+    ("engine.dtype=bf16", "engine.dtype", "'bfloat16'"),
     ("logging.sinks=[console, wandbb]", "logging.sinks[1]", "'wandb'"),
 ])
 def test_literal_mismatch_lists_choices_and_suggests(override, key, suggestion):
@@ -141,7 +141,7 @@ def test_literal_mismatch_lists_choices_and_suggests(override, key, suggestion):
 
 def test_literal_without_close_match_has_no_suggestion():
     msg = error_of(overrides=["engine.kind=tensorrt"])
-    assert "'engine.kind' must be one of 'hf', 'vllm', got 'tensorrt'." in msg
+    assert "'engine.kind' must be one of 'hf', 'vllm', 'vllm_server', got 'tensorrt'." in msg
     assert "Did you mean" not in msg
 
 
@@ -347,3 +347,10 @@ def test_random_overrides_only_raise_config_error(overrides):
         assert isinstance(cfg, Config)
         assert isinstance(cfg.rollout.n, int) and not isinstance(cfg.rollout.n, bool)
         assert isinstance(cfg.trainer.optim.lr, float)
+
+
+@pytest.mark.parametrize("override, advice", [("model.dtype=float32", "trainer.dtype"),
+                                              ("trainer.log_every=5", "logged every step")])
+def test_removed_keys_say_what_to_do_instead(override, advice):
+    msg = error_of(overrides=[override])
+    assert "was removed" in msg and advice in msg

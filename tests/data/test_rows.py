@@ -138,3 +138,27 @@ def test_verl_agent_names_run_one_loop_and_unknown_ones_are_errors():
     assert task_from_row({**bare, "agent_name": "tool_agent"}, 0, "x").tools is None
     with pytest.raises(DataError, match="unknown agent_name 'react_agent'; known: tool_agent, single_turn_agent"):
         task_from_row({**bare, "agent_name": "react_agent"}, 3, "data.parquet:row 3")
+
+
+def test_parquet_with_mixed_rows_reads_null_filled_structs_as_absent(tmp_path):
+    """pyarrow (and pandas, datasets) give every row every struct field: a tool row of a file that also has
+    interaction rows reads back with `interaction_kwargs: {name: None, ...}`, an interaction row with
+    `tools_kwargs: {tool: None}` (issue 16, item 5)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    prompt = [{"role": "user", "content": "count"}]
+    rows = [{"prompt": prompt, "extra_info": {"index": 0, "tools_kwargs": {"counter": {"create_kwargs": {"start": 2}}},
+                                              "interaction_kwargs": {}}},
+            {"prompt": prompt, "extra_info": {"index": 1, "tools_kwargs": {},
+                                              "interaction_kwargs": {"name": "retry", "ground_truth": "4"}}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mixed.parquet")
+    read = pq.read_table(tmp_path / "mixed.parquet").to_pylist()
+    assert read[0]["extra_info"]["interaction_kwargs"] == {"name": None, "ground_truth": None}
+    assert read[1]["extra_info"]["tools_kwargs"] == {"counter": None}
+    tool_row, user_row = load_rows(tmp_path / "mixed.parquet")
+    assert (tool_row.tools_kwargs, tool_row.interaction) == ({"counter": {"start": 2}}, None)
+    assert (user_row.tools_kwargs, user_row.interaction) == ({}, {"name": "retry", "ground_truth": "4"})
+    # a row that does give interaction kwargs but no name is still an error
+    with pytest.raises(DataError, match="'name' string"):
+        task_from_row({"prompt": prompt, "extra_info": {"interaction_kwargs": {"name": None, "ground_truth": "4"}}},
+                      0, "row 0")

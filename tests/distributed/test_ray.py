@@ -107,13 +107,14 @@ def _batch(cfg, out: Path):
     """The rows of the trained run's first step (real trajectories, rewards and advantages)."""
     from turnrl.rollout.factory import load_template
     from turnrl.models import resolve
-    from turnrl.train.trainer import batch_rows, settings_from
+    from turnrl.train.metrics import batch_rows
+    from turnrl.train.trainer import settings_from
     from turnrl.train.update import compute_advantages
     trajs = [t for t, extra in read_trajectories(out / "trajectories.jsonl") if extra["step"] == 1]
     s = settings_from(cfg)
     pad = load_template(resolve(cfg.model.name)).tokenizer.pad_token_id or 0
-    batch, rows, valid, rewards, groups = batch_rows(trajs, s.turn_level, pad, torch.device("cpu"))
-    rows.advantages = compute_advantages(s, batch, rows.loss_mask, valid, rewards, groups, None, rows)
+    rows, valid, rewards, groups = batch_rows(trajs, s.turn_level, pad, torch.device("cpu"))
+    rows.advantages = compute_advantages(s, rows, valid, rewards, groups)
     return rows, s
 
 
@@ -264,7 +265,7 @@ def test_async_lora_over_a_broadcast_group_stays_within_the_staleness_bound(ray_
     history, engine = asyncio.run(run())
     assert trainer.sync.transport == "broadcast"
     assert [m["async/staleness"] for m in history] == [0.0, 1.0, 1.0]     # batch 1 sampled during update 0
-    assert all("tis/weight_mean" in m for m in history)
+    assert all("correction/weight_mean" in m for m in history)
     for traj, extra in read_trajectories(tmp_path / "trajectories.jsonl"):
         trained_at = extra["step"] - 1
         assert 0 <= trained_at - traj.policy_version <= 1
@@ -293,3 +294,32 @@ def test_a_two_rank_run_resumes_on_one_rank(ray_local, trained, tmp_path):
     assert trainer.start_step == 2 and len(history) == 1 and history[0]["ranks"] == 1
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003"
     assert [extra["step"] for _, extra in read_trajectories(tmp_path / "trajectories.jsonl")] == [3] * 6
+
+
+def test_async_partial_rollouts_record_each_token_s_version(ray_local, tmp_path):
+    """Async with `engine.partial_rollout`: weight syncs interrupt the requests in flight, which resume on the
+    new weights. Every saved turn says which version sampled each token; no token trains more than
+    max_staleness versions late (counted per token in `staleness/token_max`); interruptions are counted."""
+    from turnrl.distributed.trainer import DistributedTrainer
+    cfg = tiny_config(tmp_path, "trainer.steps=4", "trainer.async_rollout=true", "algo.tis_cap=2.0",
+                      "engine.partial_rollout=true", "rollout.max_response_tokens=160",
+                      "rollout.sampling.max_tokens_per_turn=80")
+    history = asyncio.run(DistributedTrainer(cfg).run())
+    assert [m["async/staleness"] for m in history] == [0.0, 1.0, 1.0, 1.0]
+    assert all(0 <= m["staleness/token_max"] <= 1 and "partial/interruptions" in m for m in history)
+    interrupted = 0
+    for traj, extra in read_trajectories(tmp_path / "trajectories.jsonl"):
+        trained_at = extra["step"] - 1
+        for turn in traj.turns:
+            versions = turn.token_versions(default=-1)
+            assert -1 not in versions and versions == sorted(versions)
+            assert all(traj.policy_version <= v <= trained_at and trained_at - v <= 1 for v in versions)
+            interrupted += len(turn.versions) > 1
+    assert interrupted == sum(m["partial/interrupted_turns"] for m in history)
+    print(f"\n[partial] interrupted turns per step {[m['partial/interrupted_turns'] for m in history]}")
+
+
+def test_partial_rollouts_without_async_are_refused(tmp_path):
+    from turnrl.train.trainer import Trainer
+    with pytest.raises(ValueError, match="partial_rollout.*async_rollout"):
+        Trainer(load_config(None, ["engine.partial_rollout=true", f"output_dir={tmp_path}"]))

@@ -6,10 +6,11 @@ import asyncio
 import pytest
 import torch
 
+from turnrl.engines.base import EngineBase
 from turnrl.distributed.sync import TensorMeta, WeightPayload, apply_payload, bucket_layout
 
 
-class CopyEngine:
+class CopyEngine(EngineBase):
     """The part of an hf engine that weight sync touches: a model and an in-place update."""
 
     def __init__(self, model):

@@ -188,7 +188,7 @@ def test_cancelling_a_request_frees_its_slot(tiny):
     after = asyncio.run(scenario())
     assert len(after.token_ids) == 4
     asyncio.run(asyncio.sleep(0.05))
-    assert not tiny._occupied and sorted(tiny._free) == list(range(8))
+    assert not tiny._occupied and sorted(tiny.slots.empty + list(tiny.slots.parked)) == list(range(8))
 
 
 def test_update_weights_in_place_changes_outputs_and_accepts_tied_names(tiny):

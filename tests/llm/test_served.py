@@ -25,7 +25,7 @@ from turnrl.ledger import Source
 from turnrl.llm import close_all, usage_metrics
 from turnrl.llm import client as pooled_client
 from turnrl.rewards.collab import RolloutContext, conversation_reward
-from turnrl.rewards.functions import RewardFunction, bind_rollout, score_all
+from turnrl.rewards.functions import RewardFunction, score_all
 from turnrl.rollout.factory import build_environment, build_loop
 from turnrl.rollout.scheduler import run_batch
 
@@ -112,8 +112,8 @@ def rollout_parts(server, policy, smol_template, futures=2):
     judge = build(JudgeConfig, {"llm": llm(server, max_tokens=32), "json_prefill": True,
                                 "metric_weights": {"accuracy": 1.0, "interactivity": 0.5, "token_amount": -0.001},
                                 "num_repeat_rollouts": futures, "max_future_turns": 1})
-    reward = RewardFunction("judge", conversation_reward(judge))
-    bind_rollout([reward], RolloutContext(policy, smol_template, env, rollout, seed=0))
+    reward = RewardFunction("judge", conversation_reward(judge, RolloutContext(policy, smol_template, env, rollout,
+                                                                               seed=0)))
     return build_loop(rollout, policy, smol_template, env, seed=0), reward
 
 

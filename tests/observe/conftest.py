@@ -20,13 +20,14 @@ import pytest
 
 from turnrl.config import config_from_dict
 from turnrl.data import load_dataset
-from turnrl.engines.base import Completion
+from turnrl.engines.base import Completion, EngineBase
 from turnrl.ledger import Source
 from turnrl.models import resolve
 from turnrl.observe.store import read_trajectories, write_trajectories
 from turnrl.rewards.functions import score_all
 from turnrl.rollout.factory import build_environment, build_loop, load_template
-from turnrl.rollout.run import reward_functions, rollout_to_dir
+from turnrl.collect import rollout_to_dir
+from turnrl.rewards.build import reward_functions
 from turnrl.rollout.scheduler import run_batch
 
 TINY = {"model": {"name": "tiny-random"}, "logging": {"progress": "off"}, "seed": 0}
@@ -49,7 +50,7 @@ SCRIPT = [CALL, ANSWER, BAD_CALL, "I cannot tell.", CALL, CALL]
 TRAINER_OFFSET = 0.0625   # trainer logprob = engine logprob - this, on policy tokens
 
 
-class StandInPolicy:
+class StandInPolicy(EngineBase):
     """Writes the scripted texts in order, filling in the task's expression and the last tool result."""
 
     def __init__(self, template, texts):

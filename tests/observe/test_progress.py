@@ -33,8 +33,10 @@ def test_lines_wait_every_s(capsys):
     p = Progress(10, "eval", "auto", every_s=30.0)
     for _ in range(5):
         p.update(1)
+    assert capsys.readouterr().err == ""             # nothing before every_s has passed ...
     p.close()
-    assert capsys.readouterr().err == ""
+    lines = capsys.readouterr().err.splitlines()     # ... and the final count when the batch ends
+    assert len(lines) == 1 and lines[0].startswith("[eval] 5/10 trajectories")
 
 
 def test_the_ticker_reports_between_completions(capsys):
@@ -62,3 +64,20 @@ def test_eta_and_durations():
 def test_bad_mode():
     with pytest.raises(ValueError, match="auto, on or off"):
         Progress(1, "x", "loud")
+
+
+def test_the_final_count_is_printed_when_the_batch_ends(capsys):
+    """The line must not stop at "2/8" while the last trajectories finish: close() prints the final count."""
+    progress = Progress(8, "rollout 3", mode="auto", every_s=3600.0)
+    for _ in range(8):
+        progress.update(1, tokens=10)
+    progress.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("[rollout 3] 8/8 trajectories"), lines
+
+
+def test_off_stays_silent_at_the_end(capsys):
+    progress = Progress(2, "rollout", mode="off")
+    progress.update(2)
+    progress.close()
+    assert capsys.readouterr().err == ""

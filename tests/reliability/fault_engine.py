@@ -11,7 +11,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from turnrl.engines.base import Completion
+from turnrl.engines.base import Completion, EngineBase
 
 TAG = re.compile(r"\[case:(\w+)\]")
 
@@ -24,7 +24,7 @@ class Turn:
     logprobs: list | None = None     # default: one -0.5 per token
 
 
-class FaultEngine:
+class FaultEngine(EngineBase):
     def __init__(self, template, scripts):
         self.template = template
         self.scripts = scripts

@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 
 from turnrl.config import load_config
-from turnrl.engines.base import Completion
+from turnrl.engines.base import Completion, EngineBase
+from turnrl.train import step as step_module
+from turnrl.train.metrics import batch_rows
 from turnrl.train.trainer import Trainer
 
 HERE = Path(__file__).parent
 CALL = '<tool_call>\n{"name": "broken", "arguments": {}}\n</tool_call>'
 
 
-class CallsBrokenFirst:
+class CallsBrokenFirst(EngineBase):
     """The real engine, except that a `[case:fail]` prompt's first turn is a call to the broken tool."""
 
     def __init__(self, inner, template):
@@ -59,23 +61,22 @@ def test_failing_tool_trajectories_are_masked_and_the_rest_trains(tmp_path, data
         "trainer.steps=1", "trainer.optim.lr=1e-3", "logging.sinks=[]", "logging.progress=off",
         f"output_dir={tmp_path / 'run'}"])
     seen = {}
-    prepare = Trainer._prepare
 
-    def spy(self, trajs):
-        rows, batch, seconds = prepare(self, trajs)
-        seen.update(trajs=trajs, rows=rows, batch=batch)
-        return rows, batch, seconds
-    monkeypatch.setattr(Trainer, "_prepare", spy)
+    def spy(trajs, *args):                                  # the rows run_step trains on
+        out = batch_rows(trajs, *args)
+        seen.update(trajs=trajs, rows=out[0])
+        return out
+    monkeypatch.setattr(step_module, "batch_rows", spy)
     trainer = Trainer(cfg)
     trainer.engine = CallsBrokenFirst(trainer.engine, trainer.template)
     (metrics,) = asyncio.run(trainer.run())
 
-    trajs, rows, batch = seen["trajs"], seen["rows"], seen["batch"]
+    trajs, rows = seen["trajs"], seen["rows"]
     failed = [i for i, t in enumerate(trajs) if t.group_id.startswith("fail")]
     assert len(failed) == 4 and len(trajs) == 8
     for i, traj in enumerate(trajs):
         traj.check()
-        mask = rows.loss_mask[batch.traj_index == i]
+        mask = rows.loss_mask[rows.traj_index == i]
         if i in failed:
             assert traj.masked and [(e.kind, e.blame) for e in traj.errors] == [("tool_error", "environment")]
             assert traj.errors[0].message == "tool 'broken' raised RuntimeError: backend down"

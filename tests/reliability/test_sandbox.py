@@ -291,7 +291,8 @@ def test_the_python_tool_is_a_builtin_with_its_config():
     assert name == "python" and isinstance(tool, PythonSandbox)
     out = tool.execute({"code": "print(sum(range(10)))"})
     assert out.text == "45\n" and out.metrics["exit"] == 0
-    slow = tool.execute({"code": "while True: pass"})
+    # a sleep, not a busy loop: a busy loop races the 1 s CPU limit (SIGXCPU) against the 1 s wall deadline
+    slow = tool.execute({"code": "import time; time.sleep(30)"})
     assert slow.text == "[timed out after 1s; it and everything it started were killed]"
     assert slow.metrics["timed_out"] == 1
     assert tool.execute({"code": "import sys; sys.exit(2)"}).text == "[exit status 2]"

@@ -11,11 +11,11 @@ from turnrl.config import load_config
 from turnrl.config.loader import build
 from turnrl.config.schema import InteractionSpec, JudgeConfig, RolloutConfig, SamplingConfig
 from turnrl.data import Task
-from turnrl.engines.base import Completion
+from turnrl.engines.base import Completion, EngineBase
 from turnrl.ledger import Source
 from turnrl.llm import close_all
 from turnrl.rewards.collab import RolloutContext, conversation_reward
-from turnrl.rewards.functions import RewardFunction, bind_rollout, score_all
+from turnrl.rewards.functions import RewardFunction, score_all
 from turnrl.rollout.factory import build_environment, build_loop
 from turnrl.train.trainer import Trainer
 
@@ -28,7 +28,7 @@ def fresh_pool():
     asyncio.run(close_all())
 
 
-class Policy:
+class Policy(EngineBase):
     """A policy engine that asks a question every turn; records prompts and how many requests overlap."""
 
     def __init__(self, template):
@@ -71,8 +71,7 @@ def setup(fake, template, futures=3, future_turns=2, weights=None):
     judge = build(JudgeConfig, {"llm": llm, "num_repeat_rollouts": futures, "max_future_turns": future_turns,
                                 "metric_weights": weights or {"accuracy": 1.0, "interactivity": 0.5,
                                                               "token_amount": -0.01}})
-    reward = RewardFunction("judge", conversation_reward(judge))
-    bind_rollout([reward], RolloutContext(engine, template, env, rollout, seed=0))
+    reward = RewardFunction("judge", conversation_reward(judge, RolloutContext(engine, template, env, rollout, seed=0)))
     loop = build_loop(rollout, engine, template, env, seed=0)
     task = Task("trip-0", [{"role": "user", "content": "How much will my trip cost?"}], tools=[],
                 interaction={"name": "llm_user", "task": "trip cost", "goal": "3 nights at $80"}, ground_truth="240")

@@ -14,13 +14,13 @@ import pytest
 
 from turnrl.chat.parsers import HermesParser
 from turnrl.config.schema import EngineConfig
-from turnrl.engines.base import Completion, Sampling
+from turnrl.engines.base import Completion, EngineBase, Sampling
 from turnrl.rollout.loop import AgentLoop, Environment, Limits
 
 TAG = re.compile(r"\[case:(\w+)\]")
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     def __init__(self, template, scripts, logprob=-0.25):
         self.template = template
         self.scripts = scripts
@@ -78,7 +78,7 @@ def smol_engine(smollm2_dir, torch_threads):
 
 
 # -- real-model rollouts ------------------------------------------------------------------------------------
-class RecordingEngine:
+class RecordingEngine(EngineBase):
     """Passes requests to a real engine and records {(prompt, seed): (sampling, completion)}."""
 
     def __init__(self, inner):

@@ -47,7 +47,7 @@ def check_requests(traj, records, loop):
         seed = request_seed(loop.seed, traj.group_id, traj.sample_index, turn.index)
         sampling, completion = records[tuple(seg.token_ids[:turn.start]), seed]
         budget = limits.max_response_tokens - (turn.start - prompt)
-        context = limits.max_context_tokens - turn.start
+        context = limits.max_context_tokens - loop.closing - turn.start
         assert sampling.max_tokens == min(loop.sampling.max_tokens, budget, context)
         assert turn.end - turn.start == len(completion.token_ids) <= sampling.max_tokens
         assert sampling.stop_token_ids == (2,)
@@ -200,8 +200,9 @@ def test_context_limit(scripted, make_loop):
     probe = run_one(make_loop(scripted({"ctx": ["hi"]}), builtin_env()), task)
     limits = Limits(max_context_tokens=prompt_length(probe) + 10)
     traj = run_one(make_loop(engine, builtin_env(), limits), task)
-    assert traj.termination == "context_limit" and engine.requests[0][2].max_tokens == 10
-    assert traj.turns[-1].end == limits.max_context_tokens
+    closing = 2   # ChatML's '<|im_end|>\n' that closes the cut turn
+    assert traj.termination == "context_limit" and engine.requests[0][2].max_tokens == 10 - closing
+    assert traj.turns[-1].end == limits.max_context_tokens - closing == len(traj.segment) - closing
 
 
 @pytest.mark.parametrize("text, max_tokens, termination", [

@@ -45,3 +45,22 @@ def test_packed_micro_batches_count_real_tokens_first_fit():
 def test_to_device_keeps_values():
     index = torch.tensor([3, 1, 2])
     assert to_device(index, torch.device("cpu")).tolist() == [3, 1, 2]
+
+
+def test_batch_rows_gives_each_trajectory_one_group_validity_and_reward():
+    from turnrl.ledger import Source, Trajectory
+    from turnrl.train.metrics import batch_rows
+    trajs = []
+    for i, group in enumerate(["b", "a", "b", "c"]):
+        t = Trajectory(group, i, [])
+        t.segment.append([1, 2], Source.PROMPT, 0)
+        t.segment.append([3 + i], Source.POLICY, 0, [-0.5])
+        t.reward = float(i)
+        trajs.append(t)
+    trajs[2].mask("the tool crashed")
+    rows, valid, rewards, groups = batch_rows(trajs, False, 0, torch.device("cpu"))
+    assert groups.tolist() == [0, 1, 0, 2] and valid.tolist() == [True, True, False, True]
+    assert rewards.tolist() == [0.0, 1.0, 2.0, 3.0] and rows.traj_index.tolist() == [0, 1, 2, 3]
+    assert rows.loss_mask[2].sum() == 0 and rows.engine_logprobs[:, 2].tolist() == [-0.5] * 4
+    mb = rows.select(torch.tensor([1, 3]), width=2)   # row metadata follows the rows, [B] tensors uncut
+    assert mb.input_ids.shape == (2, 2) and mb.traj_index.tolist() == [1, 3]

@@ -15,9 +15,10 @@ from turnrl.config import load_config
 from turnrl.config.schema import RolloutConfig
 from turnrl.data import load_dataset
 from turnrl.data.rows import Task
-from turnrl.engines.base import Completion
+from turnrl.engines.base import Completion, EngineBase
 from turnrl.env.builtin.calculator import Calculator
-from turnrl.ledger import Source, to_batch
+from turnrl.ledger import Source
+from turnrl.train.batching import to_rows
 from turnrl.rollout.factory import build_environment, build_loop
 from turnrl.train.sft import examples_from_tasks, load_examples
 
@@ -83,7 +84,7 @@ def test_labels_are_exactly_the_assistant_tokens(smol_tokenizer, smol_template):
     assert labels == (smol_tokenizer(CALL, add_special_tokens=False)["input_ids"] + [im_end]
                       + smol_tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [im_end])
     # What sft_epoch trains on: the batch row, its loss mask on the same tokens.
-    batch = to_batch([traj], pad_id=smol_tokenizer.pad_token_id)
+    batch = to_rows([traj], pad_id=smol_tokenizer.pad_token_id)
     assert batch.input_ids[0].tolist() == ids
     assert batch.input_ids[0][batch.loss_mask[0] == 1].tolist() == labels
 
@@ -115,7 +116,7 @@ def test_few_shot_turns_in_the_prompt_are_not_trained(smol_tokenizer, smol_templ
         f"{task.messages[-1]['content']}<|im_end|>\n<|im_start|>assistant\n")
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     """Engine protocol stand-in for sampling: returns the next scripted token ids, records each prompt."""
 
     def __init__(self, replies: list[list[int]]):

@@ -13,7 +13,7 @@ import turnrl.train.sft as sft_module
 import turnrl.train.sft_run as sft_run
 from turnrl.cli import main
 from turnrl.config import load_config
-from turnrl.ledger import to_batch
+from turnrl.train.batching import to_rows
 from turnrl.models import prepare
 from turnrl.observe.store import read_trajectories
 from turnrl.rollout.factory import load_template
@@ -94,7 +94,7 @@ def test_sft_run_logs_metrics_checkpoints_and_exports_a_loadable_model(full_run)
     assert all(torch.equal(v, trained[k].to(torch.bfloat16)) for k, v in weights(exported).items())
     base = weights(prepare("tiny-random"))
     assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
-    batch = to_batch(examples[:1], pad_id=template.tokenizer.pad_token_id)
+    batch = to_rows(examples[:1], pad_id=template.tokenizer.pad_token_id)
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     assert torch.isfinite(logits.float()).all()

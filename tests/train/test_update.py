@@ -5,7 +5,8 @@ import torch
 
 from turnrl.algo.losses import ppo_policy_loss
 from turnrl.chat.parity import SYNTHETIC, replay_conversation
-from turnrl.ledger import Source, to_batch
+from turnrl.ledger import Source
+from turnrl.train.batching import to_rows
 from turnrl.models import prepare
 from turnrl.train.policy import forward_logprobs, load_policy
 from turnrl.train.update import UpdateSettings, compute_advantages
@@ -31,7 +32,7 @@ def tool_batch(smol_template):
 
 
 def test_tool_and_user_tokens_get_zero_gradient(tiny_policy, tool_batch):
-    batch = to_batch(tool_batch)
+    batch = to_rows(tool_batch)
     seg0 = tool_batch[0].segment
     assert {Source.TOOL, Source.POLICY, Source.TEMPLATE} <= set(seg0.sources)
     captured = {}
@@ -61,9 +62,9 @@ def test_tool_and_user_tokens_get_zero_gradient(tiny_policy, tool_batch):
 
 
 def test_grpo_advantages_follow_trajectories(tool_batch):
-    batch = to_batch(tool_batch)
+    batch = to_rows(tool_batch)
     valid = torch.tensor([True, True])
-    adv = compute_advantages(UpdateSettings(advantage="grpo"), batch, batch.loss_mask, valid,
+    adv = compute_advantages(UpdateSettings(advantage="grpo"), batch, valid,
                              torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
     # group {1, 0}: mean 0.5, unbiased std 0.7071 -> +-0.7071 on the policy tokens only
     assert torch.allclose(adv[0][batch.loss_mask[0] > 0], torch.tensor(0.70710), atol=1e-4)
@@ -72,8 +73,21 @@ def test_grpo_advantages_follow_trajectories(tool_batch):
 
 
 def test_masked_trajectory_is_left_out_of_the_group(tool_batch):
-    batch = to_batch(tool_batch)
+    batch = to_rows(tool_batch)
     valid = torch.tensor([True, False])
-    adv = compute_advantages(UpdateSettings(advantage="grpo"), batch, batch.loss_mask, valid,
+    adv = compute_advantages(UpdateSettings(advantage="grpo"), batch, valid,
                              torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
     assert (adv == 0).all()  # the valid trajectory is alone in its group: no relative signal
+
+
+def test_each_update_setting_has_one_default():
+    """UpdateSettings, the config and the loss function agree on every default (clip_high had 0.2 and 0.28)."""
+    import inspect
+
+    from turnrl.config.schema import AlgoConfig
+    algo, settings = AlgoConfig(), UpdateSettings()
+    for name in ("advantage", "gamma", "lam", "turn_level", "clip_low", "clip_high", "dual_clip", "loss_agg",
+                 "kl_coef", "kl_type", "kl_in_reward", "entropy_coef", "tis_cap", "value_clip", "value_coef"):
+        assert getattr(settings, name) == getattr(algo, name), name
+    loss = inspect.signature(ppo_policy_loss).parameters
+    assert (loss["clip_low"].default, loss["clip_high"].default) == (algo.clip_low, algo.clip_high)

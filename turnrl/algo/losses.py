@@ -102,7 +102,7 @@ def ppo_policy_loss(
     advantages: Tensor,  # [B, T]
     mask: Tensor,  # [B, T]
     clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    clip_high: float = 0.28,  # DAPO's clip-higher; the same default as `algo.clip_high`
     dual_clip: float | None = None,
     agg: AggMode = "token-mean",
     normalizer: float | int | Tensor | None = None,

@@ -72,15 +72,27 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--prompt", type=int, default=256, help="prompt tokens per request (random ids)")
     q.add_argument("--new", type=int, default=256, help="tokens each request generates (no stop token)")
     q.add_argument("--variants", default="generate,hf,fast,fast-compile",
-                   help="comma-separated: generate, hf, fast (CUDA graphs), fast-compile (+ torch.compile)")
+                   help="comma-separated: generate, hf, fast (CUDA graphs), fast-compile (+ torch.compile), "
+                   "fast-exact (engine.exact)")
     q.add_argument("--device", default="auto")
     q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     q.add_argument("--json", required=True, help="where to write the report (rewritten after each variant)")
 
+    q = sub.add_parser("gateway", help="gateway overhead per request vs direct engine calls; agents through it vs "
+                       "the native loop")
+    q.add_argument("overrides", nargs="*", help="dotted config overrides for the throughput part, e.g. engine.kind=vllm")
+    q.add_argument("--config", default=None, help="YAML config (model, engine, rollout); defaults otherwise")
+    q.add_argument("--sessions", default="1,256", help="concurrent sessions for the overhead part (comma-separated)")
+    q.add_argument("--turns", type=int, default=8, help="calls per session in the overhead part")
+    q.add_argument("--prompts", type=int, default=8, help="calculator tasks for the throughput part (0: skip it)")
+    q.add_argument("--n", type=int, default=2, help="samples per task")
+    q.add_argument("--json", required=True, help="where to write the report")
+
 
 @command("bench", "benchmarks (each prints a table and writes JSON)", _bench_args)
 def cmd_bench(a: argparse.Namespace) -> int:
-    return {"rollout": _rollout, "train": _train, "step": _step, "compare": _compare, "engine": _engine}[a.bench](a)
+    return {"rollout": _rollout, "train": _train, "step": _step, "compare": _compare, "engine": _engine,
+            "gateway": _gateway}[a.bench](a)
 
 
 def _write(path: str, report: dict[str, Any]) -> None:
@@ -180,6 +192,40 @@ def _engine(a: argparse.Namespace) -> int:
                               a.dtype, on_variant=checkpoint)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    print(format_report(report))
+    _write(a.json, report)
+    return 0
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    from turnrl.bench.gateway import bench_agent_throughput, bench_overhead, format_report
+    from turnrl.data import load_dataset
+    from turnrl.models import resolve
+    from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template, sampling_from
+
+    cfg = load_config(a.config, ["rollout.sampling.temperature=0", "rollout.max_assistant_turns=3"] + list(a.overrides))
+    model_dir = resolve(cfg.model.name)
+    template = load_template(model_dir)
+    sessions = [int(s) for s in a.sessions.split(",") if s]
+
+    async def run() -> dict[str, Any]:
+        report: dict[str, Any] = {"overhead": await bench_overhead(template, sessions, a.turns)}
+        if a.prompts > 0:
+            tasks = load_dataset(task="calculator", size=a.prompts, seed=cfg.seed, options={"demo": True})
+            engine = build_engine(cfg.engine, model_dir)
+            try:
+                loop = build_loop(cfg.rollout, engine, template, build_environment(cfg.rollout), cfg.seed,
+                                  sampling_from(cfg.rollout))
+                report["throughput"] = await bench_agent_throughput(engine, template, loop, tasks, a.n,
+                                                                    cfg.rollout.concurrency,
+                                                                    min(cfg.rollout.max_context_tokens,
+                                                                        cfg.engine.max_model_len))
+            finally:
+                await engine.close()
+        report["engine"] = cfg.engine.kind
+        return report
+
+    report = asyncio.run(run())
     print(format_report(report))
     _write(a.json, report)
     return 0

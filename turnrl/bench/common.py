@@ -41,8 +41,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def engine_stats(engine: Any) -> dict[str, float]:
     """The engine's counters (requests, prompt/cached/generated tokens...), where it keeps any."""
-    stats = getattr(engine, "stats", None)
-    return {k: v for k, v in stats.items() if isinstance(v, (int, float))} if isinstance(stats, dict) else {}
+    return {k: v for k, v in engine.stats.items() if isinstance(v, (int, float))}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -20,6 +20,11 @@ Phase 1 also reports `loop_cpu_s`, the CPU time of the event-loop thread (agent 
 ledger), against `process_cpu_s` for the whole process (mostly the engine); the table shows it as a share of
 the phase's wall time. The 1-minute load average is taken before and after each repeat: on a shared machine
 another process's load moves both phases.
+
+Phase 1's `prefill` (`prefill_accounting`) sets what the engine prefilled (its `prefill_tokens` counter: tokens
+computed, reused ones not counted) against what each turn's context holds and what is new in it, turn by turn:
+with no reuse a later turn prefills its whole context, with each trajectory's KV kept between turns only the new
+tokens (the environment's reply and the chat template's tokens around it).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
             before = engine_stats(engine)
             multi = await _multi_turn(engine, template, env, rollout_cfg, tasks, seed)
             multi["engine_stats"], before = delta(engine_stats(engine), before), engine_stats(engine)
+            multi["prefill"] = prefill_accounting(multi["trajectories"], multi["engine_stats"].get("prefill_tokens"))
             await _reset_cache(engine)
             offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
             offline["engine_stats"] = delta(engine_stats(engine), before)
@@ -84,9 +90,7 @@ async def _warm_up(engine: Engine, prompt: list[int]) -> None:
 
 
 async def _reset_cache(engine: Engine) -> None:
-    reset = getattr(engine, "reset_prefix_cache", None)
-    if reset is not None:
-        await reset()
+    await engine.reset_prefix_cache()
 
 
 async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfig, tasks: list[Task],
@@ -113,6 +117,65 @@ async def _multi_turn(engine: Engine, template: Any, env: Any, cfg: RolloutConfi
             "tools_s_mean": statistics.fmean(t.timings.get("tools_s", 0.0) for t in trajs),
             "interaction_s_mean": statistics.fmean(t.timings.get("interaction_s", 0.0) for t in trajs),
             "errors": errors, "loop_cpu_s": loop_cpu, "process_cpu_s": cpu, "policy_tokens_per_s": policy / seconds}
+
+
+def prefill_accounting(trajs: list[Trajectory], engine_prefill: float | None) -> dict[str, Any]:
+    """Per turn index: requests, `context_tokens` (the context each turn saw: what an engine prefills with no
+    reuse), `new_tokens` (what came since the trajectory's previous turn ended: the environment's reply and the
+    template's tokens around it; a first turn's whole prompt, and the whole context after a segment split: what
+    an engine that keeps each trajectory's KV between turns prefills) and `generated_tokens`.
+
+    `shared_first_turn_tokens`: the distinct token prefixes of all first-turn prompts (samples of one task share
+    their prompt), what a cache shared between trajectories prefills for the first turns. With the engine's
+    prefill count E (None: the engine keeps none), the later turns' share is bounded by what the first turns
+    took: at most their whole prompts, at least the shared prefixes, so `engine_prefill_per_later_turn` is
+    low = (E - first-turn context) / later turns, high = (E - shared_first_turn_tokens) / later turns (equal
+    bounds need no reuse in the first turns; an engine without a cache meets the low one exactly)."""
+    rows: dict[int, dict[str, int]] = {}
+    first_prompts = set()
+    for traj in trajs:
+        previous = None
+        for turn in traj.turns:
+            row = rows.setdefault(turn.index, {"turn": turn.index, "requests": 0, "context_tokens": 0,
+                                               "new_tokens": 0, "generated_tokens": 0})
+            same_segment = previous is not None and previous.segment == turn.segment
+            row["requests"] += 1
+            row["context_tokens"] += turn.start
+            row["new_tokens"] += turn.start - previous.end if same_segment else turn.start
+            row["generated_tokens"] += turn.end - turn.start
+            if turn.index == 0:
+                first_prompts.add(tuple(traj.segments[turn.segment].token_ids[:turn.start]))
+            previous = turn
+    shared = _trie_size(first_prompts)
+    per_turn = [rows[k] for k in sorted(rows)]
+    later = [r for r in per_turn if r["turn"] > 0]
+    n_later = sum(r["requests"] for r in later)
+    first_context = sum(r["context_tokens"] for r in per_turn if r["turn"] == 0)
+    out: dict[str, Any] = {
+        "per_turn": per_turn, "context_tokens": sum(r["context_tokens"] for r in per_turn),
+        "new_tokens": sum(r["new_tokens"] for r in per_turn), "shared_first_turn_tokens": shared,
+        "later_turns": n_later,
+        "later_context_tokens_per_turn": sum(r["context_tokens"] for r in later) / n_later if n_later else None,
+        "later_new_tokens_per_turn": sum(r["new_tokens"] for r in later) / n_later if n_later else None,
+        "engine_prefill_tokens": engine_prefill, "engine_prefill_per_later_turn": None}
+    if engine_prefill is not None and n_later:
+        out["engine_prefill_per_later_turn"] = {"low": (engine_prefill - first_context) / n_later,
+                                                "high": (engine_prefill - shared) / n_later}
+    return out
+
+
+def _trie_size(sequences: Any) -> int:
+    """Distinct non-empty prefixes of the sequences: the nodes of their token trie."""
+    root: dict[int, Any] = {}
+    nodes = 0
+    for seq in sequences:
+        node = root
+        for tok in seq:
+            if tok not in node:
+                node[tok] = {}
+                nodes += 1
+            node = node[tok]
+    return nodes
 
 
 async def _offline(engine: Engine, trajs: list[Trajectory], temperature: float, seed: int) -> dict[str, Any]:
@@ -146,6 +209,15 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  {'over repeats':<26} {'min':>10} {'median':>10} {'max':>10}")
     for key, spread in report["summary"].items():
         lines.append(f"  {key:<26} {spread['min']:>10.3f} {spread['median']:>10.3f} {spread['max']:>10.3f}")
+    for run in report["runs"]:
+        p = run["multi_turn"].get("prefill")
+        if p and p["later_turns"]:
+            engine = p["engine_prefill_per_later_turn"]
+            lines.append(f"  repeat {run['repeat']} prefill per later turn ({p['later_turns']} turns): context "
+                         f"{p['later_context_tokens_per_turn']:.1f}, new {p['later_new_tokens_per_turn']:.1f}, engine "
+                         + (f"{engine['low']:.1f}..{engine['high']:.1f}" if engine else "not counted")
+                         + f"; all turns: context {p['context_tokens']}, new {p['new_tokens']}, engine "
+                         f"{p['engine_prefill_tokens']}")
     mach = report["machine"]
     lines.append(f"machine: {mach['cpus_usable']}/{mach['cpu_count']} cpus, gpu={mach['gpu']}, "
                  f"{', '.join(f'{k} {v}' for k, v in mach['versions'].items())}; engine startup "

@@ -16,6 +16,11 @@ FLOPs, per trained token (tokens = real, unpadded tokens; padding is reported, n
   6N is kept as the conventional yardstick and the LoRA discount is left to the reader.
 - attention-inclusive (PaLM, Chowdhery et al. 2022, appendix B): 6N + 12 * L * H * d_head * S for a token of
   a row of length S, with no discount for the causal mask.
+- executed (what the kernels compute, the figure to lead with): the body's matmuls 6 * N_body per token
+  (N_body: the parameters outside the embedding and LM head), the LM head where it runs (the fused head:
+  policy tokens only, 8 * V * h each, its backward recomputing the logits; the logits path: every token,
+  6 * V * h), causal attention 6 * L * H * d_head * i for the token at position i (the causal half of
+  PaLM's count; the flash backward's recomputation of the scores is not counted).
 MFU = flops/s / peak. The peak is `--peak-tflops`, or 790 TFLOP/s (bf16 dense matmul as measured) on an
 H200; elsewhere it is unknown and MFU is left out.
 
@@ -97,7 +102,10 @@ def model_counts(model: Any) -> dict[str, int]:
     c = base.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"n_params": n, "n_params_non_embedding": n - embedding, "n_trainable": trainable,
+    head = base.get_output_embeddings()
+    tied = head is not None and head.weight is base.get_input_embeddings().weight
+    body = n - embedding - (0 if tied or head is None else head.weight.numel())
+    return {"n_params": n, "n_params_non_embedding": n - embedding, "n_params_body": body, "n_trainable": trainable,
             "layers": c.num_hidden_layers, "attention_width": c.num_attention_heads * head_dim,
             "vocab": c.vocab_size, "hidden": c.hidden_size}
 
@@ -139,7 +147,8 @@ def synthetic_rows(batch: int, seq_len: int, vocab: int, device: torch.device, s
     return Rows(**{k: v.to(device) for k, v in vars(rows).items() if v is not None})
 
 
-def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int], packing: bool = False) -> dict[str, float]:
+def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int], packing: bool = False,
+         fused_head: bool = True) -> dict[str, float]:
     """Tokens and FLOPs of one pass over `rows` (per update: x1; the forward-only pass is a third of it).
     `padded_tokens`: what the micro-batches compute on (rows x width, or packed lengths with `packing`)."""
     lengths = rows.lengths.cpu()
@@ -148,8 +157,13 @@ def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int], packing: b
     padded = sum(packed_tokens(lengths[index]) if packing else len(index) * width for index, width in groups)
     six_n = 6.0 * counts["n_params"] * tokens
     attention = 12.0 * counts["layers"] * counts["attention_width"] * float((lengths.double() ** 2).sum())
+    policy = int(rows.loss_mask.sum())
+    head = counts["vocab"] * counts["hidden"] * (8.0 * policy if fused_head else 6.0 * tokens)
+    causal = 6.0 * counts["layers"] * counts["attention_width"] * float((lengths.double() * (lengths.double() - 1)).sum() / 2)
+    executed = 6.0 * counts["n_params_body"] * tokens + head + causal
     return {"tokens": tokens, "padded_tokens": padded, "padding_fraction": 1 - tokens / padded,
-            "policy_tokens": int(rows.loss_mask.sum()), "flops_6n": six_n, "flops_with_attention": six_n + attention,
+            "policy_tokens": policy, "flops_6n": six_n, "flops_with_attention": six_n + attention,
+            "flops_executed": executed,
             "rows": len(lengths), "mean_length": tokens / len(lengths)}
 
 
@@ -189,7 +203,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     counts = model_counts(model)
     rows = synthetic_rows(batch, seq_len, counts["vocab"], device, seed, min_fraction, prompt_fraction, turns,
                           cfg.rollout.n)
-    per_update = work(rows, settings.micro_batch_tokens, counts, settings.packing)
+    per_update = work(rows, settings.micro_batch_tokens, counts, settings.packing, settings.fused_head)
     if peak_tflops is None:
         peak_tflops = default_peak_tflops(device)
 
@@ -244,9 +258,10 @@ def _rates(w: dict[str, float], update_s: float, forward_s: float, peak: float |
         "update_tokens_per_s": w["tokens"] / update_s,
         "update_tflops_6n": w["flops_6n"] / update_s / 1e12,
         "update_tflops_with_attention": w["flops_with_attention"] / update_s / 1e12,
+        "update_tflops_executed": w["flops_executed"] / update_s / 1e12,
         "logprob_tokens_per_s": w["tokens"] / forward_s,
         "logprob_tflops_2n": w["flops_6n"] / 3 / forward_s / 1e12}
-    for key in ("update_tflops_6n", "update_tflops_with_attention", "logprob_tflops_2n"):
+    for key in ("update_tflops_executed", "update_tflops_6n", "update_tflops_with_attention", "logprob_tflops_2n"):
         out[key.replace("tflops", "mfu")] = out[key] / peak if peak else None
     return out
 
@@ -258,11 +273,12 @@ def format_report(report: dict[str, Any]) -> str:
              f"trainable, {lora}) on {cfg['device']} ({cfg['autocast']}), {cfg['batch']} rows x <= "
              f"{cfg['seq_len']} tokens: {w['tokens']} tokens/update ({w['policy_tokens']} in the loss), "
              f"padding {w['padding_fraction']:.1%}, micro-batch budget {cfg['trainer']['micro_batch_tokens']}",
-             f"{'repeat':>6} {'update s':>9} {'tok/s':>9} {'TFLOP/s 6N':>11} {'MFU 6N':>7} {'MFU attn':>9} "
+             f"{'repeat':>6} {'update s':>9} {'tok/s':>9} {'MFU exec':>9} {'TFLOP/s 6N':>11} {'MFU 6N':>7} {'MFU attn':>9} "
              f"{'logprob s':>10} {'tok/s':>9} {'load':>5}"]
     pct = lambda v: f"{v:.1%}" if v is not None else "-"   # noqa: E731
     for run in report["runs"]:
         lines.append(f"{run['repeat']:>6} {run['update_s']:>9.3f} {run['update_tokens_per_s']:>9.1f} "
+                     f"{pct(run['update_mfu_executed']):>9} "
                      f"{run['update_tflops_6n']:>11.3f} {pct(run['update_mfu_6n']):>7} "
                      f"{pct(run['update_mfu_with_attention']):>9} {run['logprob_pass_s']:>10.3f} "
                      f"{run['logprob_tokens_per_s']:>9.1f} {run['loadavg_1m']:>5.1f}")

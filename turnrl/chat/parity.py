@@ -94,7 +94,7 @@ def replay_conversation(template: ChatTemplate, messages: list[dict[str, Any]], 
         session = ChatSession(template, messages[:first], tools, traj, on_mismatch)
         i, turn = first, 0
         while i < len(messages):
-            ids = template.encode(messages[i]["content"]) + [stop]
+            ids = template.encode(template.join_reasoning(messages[i])["content"]) + [stop]
             session.add_assistant(ids, [0.0] * len(ids), "stop", turn)
             j = i + 1
             while j < len(messages) and messages[j]["role"] != "assistant":
@@ -105,6 +105,9 @@ def replay_conversation(template: ChatTemplate, messages: list[dict[str, Any]], 
         result = session.finish()
     except ChatMismatchError as exc:
         return ParityReport(name, "mismatch", str(exc)), traj
+    except Exception as exc:  # noqa: BLE001 - a template that raises on this conversation (e.g. Mistral's id checks)
+        return ParityReport(name, "error", f"the template cannot render this conversation: "
+                                           f"{type(exc).__name__}: {exc}"), traj
     detail = ""
     if result != "exact":
         expected = template.encode(template.render(traj.messages, session.render_tools))

@@ -12,6 +12,9 @@ If step 2 or 3 fails, the template is not append-only here (trimmed content, rea
 turns, ...). `on_mismatch` decides: `error` raises, `warn` appends the template's own delta and counts it,
 `split` starts a new segment (a new training sample) from a full re-render of the conversation.
 
+Each assistant message keeps the reply's leading `<think>...</think>` as `reasoning_content` and the rest as
+`content` (`ChatTemplate.split_reasoning`); renders join them back, so the split is invisible to parity.
+
 At the end, `finish` closes the last assistant turn and compares the ledger with a full re-render of its
 messages: `exact` (same token ids), `token_drift` (same text, other token ids: the policy sampled a
 non-canonical tokenization, or the tokenizer merges differently across the end of the generation prompt, e.g.
@@ -71,16 +74,29 @@ class ChatSession:
     def _render(self, messages: list[dict[str, Any]], generation: bool = False) -> str:
         return self.template.render(messages, self.render_tools, add_generation_prompt=generation)
 
-    def add_assistant(self, token_ids: list[int], logprobs: list[float], finish_reason: str, turn: int) -> Turn:
+    def add_forced(self, token_ids: list[int], turn: int) -> None:
+        """Tokens put ahead of the policy's reply (a forced tool-call opening): context it continues from,
+        not sampled, so TEMPLATE (no loss); the next `add_assistant` counts them in its message's text."""
+        self.traj.segment.append(token_ids, Source.TEMPLATE, turn)
+        self._text += self.template.decode(token_ids)
+
+    def add_assistant(self, token_ids: list[int], logprobs: list[float], finish_reason: str, turn: int,
+                      forced: list[int] | tuple[int, ...] = ()) -> Turn:
+        """`forced`: the ids `add_forced` appended just before; the message's text starts with them, while the
+        turn's span holds the sampled tokens only."""
         seg = self.traj.segment
         start = len(seg)
         seg.append(token_ids, Source.POLICY, turn, logprobs)
-        text = self.template.decode(token_ids)
-        self._text += text
-        content = text
+        self._text += self.template.decode(token_ids)
+        forced = list(forced)
+        content = self.template.decode(forced + token_ids)
         if finish_reason == "stop" and token_ids and token_ids[-1] in self.template.stop_token_ids:
-            content = self.template.decode(token_ids[:-1])
-        self.traj.messages.append({"role": "assistant", "content": content})
+            content = self.template.decode(forced + token_ids[:-1])
+        reasoning, answer = self.template.split_reasoning(content)
+        message = {"role": "assistant", "content": answer}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        self.traj.messages.append(message)
         record = Turn(index=turn, segment=len(self.traj.segments) - 1, start=start, end=len(seg),
                       finish_reason=finish_reason, text=content)
         self.traj.turns.append(record)
@@ -158,16 +174,30 @@ class ChatSession:
             self.traj.parity = "split"
             return len(self.traj.segment)
         # warn: keep what the policy saw, close its turn with the template's glue, append the template's delta
-        glue = self._glue()
-        if full.startswith(hist):
-            delta = full[len(hist):]
-        else:
-            anchor = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
-            base = self._render(anchor)
-            delta = self._render(anchor + new_messages, generation=True)[len(base):]
+        glue, delta = self._glue(), self._warn_delta(hist, full, new_messages)
         messages.extend(new_messages)
         role = ROLE_SOURCE.get(new_messages[0].get("role", "user"), Source.USER) if new_messages else Source.USER
         return self._append_pieces([(glue, Source.TEMPLATE), (delta, role)], turn)
+
+    def _warn_delta(self, hist: str, full: str, new_messages: list[dict[str, Any]]) -> str:
+        if full.startswith(hist):
+            return full[len(hist):]
+        anchor = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+        base = self._render(anchor)
+        return self._render(anchor + new_messages, generation=True)[len(base):]
+
+    def context_after(self, new_messages: list[dict[str, Any]]) -> int:
+        """The length the current segment would have after `add_environment(new_messages)` (nothing changes)."""
+        messages = self.traj.messages
+        hist = self._render(messages)
+        full = self._render(messages + new_messages, generation=True)
+        if hist.startswith(self._text) and full.startswith(hist):
+            return len(self.context_ids) + len(self.template.encode(full[len(self._text):]))
+        if self.on_mismatch == "split":
+            return len(self.template.encode(full))
+        # warn (with 'error', add_environment raises)
+        return len(self.context_ids) + len(self.template.encode(self._glue() + self._warn_delta(hist, full,
+                                                                                                new_messages)))
 
     def _glue(self) -> str:
         """The template's assistant suffix minus what the policy already wrote of it."""

@@ -8,19 +8,37 @@ conversations instead of hard-coding model families:
   suffix, plus the tokenizer's EOS);
 - `native_tools`: whether the template renders a `tools=` list at all. Templates that ignore tools (SmolLM2's
   does) get a hermes-style tool system prompt injected into the system message instead, so the model sees
-  its tools either way, and the injected text is part of the messages that every re-render uses.
+  its tools either way, and the injected text is part of the messages that every re-render uses;
+- reasoning: the session keeps a reply's leading `<think>...</think>` as the message's `reasoning_content`
+  and the rest as `content` (`split_reasoning`), the OpenAI-style shape that judges, simulated users and the
+  trajectory file see. `render` puts the reasoning back in front of the content exactly as sampled
+  (`join_reasoning`) before the template runs, so the split never changes a render: templates that read
+  `reasoning_content` (Qwen3, DeepSeek-R1, QwQ) take it apart from the content the same way themselves. When
+  the generation prompt itself opens the thinking block (DeepSeek-R1 style `<think>\\n`), the reply holds only
+  the closing tag, and the split and the join both leave the opening tag out.
+
+`template_kwargs` are extra variables for every render (`model.chat_template_kwargs`, e.g. Qwen3's
+`enable_thinking: false`), as `apply_chat_template(..., **kwargs)` passes them; a name the template never
+mentions is an error (a typo would otherwise change nothing, silently).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 PROBE_TOOL = {"type": "function", "function": {
     "name": "probe_tool_zq", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
 SENTINEL = "SENTINEL_ASSISTANT_TEXT_ZQ"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Arguments turnrl itself passes to apply_chat_template; they cannot be template_kwargs.
+RESERVED_KWARGS = {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+                   "continue_final_message", "return_dict", "chat_template", "return_tensors", "padding",
+                   "truncation", "max_length", "return_assistant_tokens_mask"}
 
 TOOL_PROMPT = (
     "# Tools\n\nYou can call the functions described inside <tools></tools>, one JSON schema per line:\n"
@@ -40,20 +58,23 @@ def tool_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer: Any, tool_prompt_mode: str = "auto"):
+    def __init__(self, tokenizer: Any, tool_prompt_mode: str = "auto", template_kwargs: dict[str, Any] | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("The tokenizer has no chat template; set one (tokenizer.chat_template = ...).")
         if tool_prompt_mode not in ("auto", "native", "inject"):
             raise TemplateError(f"tool_prompt_mode must be auto, native or inject, got {tool_prompt_mode!r}.")
         self.tokenizer = tokenizer
         self.tool_prompt_mode = tool_prompt_mode
+        self.template_kwargs = _checked_kwargs(tokenizer.chat_template, template_kwargs or {})
         # The n samples of a task start from the same rendered prompt: tokenize it once (about 1 us a token).
         self._prompt_ids = functools.lru_cache(maxsize=256)(lambda text: tuple(self.encode(text)))
 
     # -- rendering and tokenization ------------------------------------------------------------------
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = False) -> str:
-        kwargs = {"tools": tools} if tools else {}
+        if any(m.get("reasoning_content") is not None for m in messages):
+            messages = [self.join_reasoning(m) for m in messages]
+        kwargs = {**self.template_kwargs, **({"tools": tools} if tools else {})}
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
@@ -70,6 +91,34 @@ class ChatTemplate:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # -- reasoning -----------------------------------------------------------------------------------
+    @cached_property
+    def prompt_opens_thinking(self) -> bool:
+        try:
+            return self.generation_prompt.rstrip().endswith(THINK_OPEN)
+        except TemplateError:  # no usable generation prompt: nothing is opened for the reply
+            return False
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str]:
+        """A reply -> (its leading reasoning, or None; the rest). `join_reasoning` undoes it exactly."""
+        opener = "" if self.prompt_opens_thinking else THINK_OPEN
+        if not text.startswith(opener):
+            return None, text
+        close = text.find(THINK_CLOSE, len(opener))
+        if close < 0 or THINK_OPEN in text[len(opener):close]:
+            return None, text
+        return text[len(opener):close], text[close + len(THINK_CLOSE):]
+
+    def join_reasoning(self, message: dict[str, Any]) -> dict[str, Any]:
+        """An assistant message whose `reasoning_content` is put back in front of its content."""
+        reasoning = message.get("reasoning_content")
+        if message.get("role") != "assistant" or reasoning is None:
+            return message
+        joined = {k: v for k, v in message.items() if k != "reasoning_content"}
+        opener = "" if self.prompt_opens_thinking else THINK_OPEN
+        joined["content"] = f"{opener}{reasoning}{THINK_CLOSE}{message.get('content') or ''}"
+        return joined
 
     # -- probed structure ----------------------------------------------------------------------------
     @cached_property
@@ -154,3 +203,32 @@ class ChatTemplate:
                 msg["tool_call_id"] = call_id
             return msg
         return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+
+
+def _checked_kwargs(template: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TemplateError(f"chat_template_kwargs must be a mapping of names to values, got {kwargs!r}.")
+    reserved = sorted(RESERVED_KWARGS & set(kwargs))
+    if reserved:
+        raise TemplateError(f"chat_template_kwargs cannot set {reserved}: turnrl passes those itself.")
+    text = template if isinstance(template, str) else json.dumps(template)
+    unread = [k for k in kwargs if not re.search(rf"\b{re.escape(k)}\b", text)]
+    if unread:
+        raise TemplateError(f"the chat template never reads {unread}: drop them from chat_template_kwargs (or check "
+                            "the spelling; e.g. Qwen3 reads 'enable_thinking').")
+    return dict(kwargs)
+
+
+def load_template(model_dir: str | Path, chat_template: str | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> ChatTemplate:
+    """The chat template of the model in `model_dir` (its tokenizer's, or the Jinja file `chat_template` in its
+    place: `model.chat_template`), rendered with `template_kwargs` (`model.chat_template_kwargs`)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template:
+        path = Path(chat_template).expanduser()
+        if not path.is_file():
+            raise TemplateError(f"model.chat_template: no file {chat_template!r}; give the path of a Jinja chat "
+                                "template")
+        tokenizer.chat_template = path.read_text()
+    return ChatTemplate(tokenizer, template_kwargs=template_kwargs)

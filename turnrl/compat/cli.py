@@ -69,7 +69,8 @@ def cmd_verl(a: argparse.Namespace) -> int:
         from turnrl.distributed.trainer import DistributedTrainer
         history = asyncio.run(DistributedTrainer(cfg).run())
     if history:
-        print(f"reward/mean: first step {history[0]['reward/mean']:.3f} -> last step {history[-1]['reward/mean']:.3f}; "
+        scored = [h["reward/mean"] for h in history if "reward/mean" in h] or [float("nan")]
+        print(f"reward/mean: first scored step {scored[0]:.3f} -> last {scored[-1]:.3f}; "
               f"turns/mean {sum(h['turns/mean'] for h in history) / len(history):.2f} "
               f"(metrics in {cfg.output_dir}/metrics.jsonl)")
     return 0

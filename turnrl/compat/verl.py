@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from turnrl.config.schema import InteractionSpec, ToolSpec
 from turnrl.env.interactions import Reply
+from turnrl.env.loading import INTERACTION_ADAPTERS, TOOL_ADAPTERS
 from turnrl.env.tools import maybe_await
 
 _ids = itertools.count()
@@ -108,3 +109,7 @@ class VerlInteractionAdapter:
 
 def verl_interaction_factory(cls: type, spec: InteractionSpec) -> Callable[[], VerlInteractionAdapter]:
     return lambda: VerlInteractionAdapter(cls, spec)
+
+
+TOOL_ADAPTERS.append(lambda cls, spec: verl_tool_factory(cls, spec) if is_verl_tool(cls) else None)
+INTERACTION_ADAPTERS.append(lambda cls, spec: verl_interaction_factory(cls, spec) if is_verl_interaction(cls) else None)

@@ -278,7 +278,7 @@ def check_prompts(cfg: Config, max_prompt_tokens: int, mode: str, out_dir: Path)
     from turnrl.data import DataError, load_dataset
     from turnrl.models import resolve
     from turnrl.rollout.factory import build_environment, load_template
-    template = load_template(resolve(cfg.model.name))
+    template = load_template(resolve(cfg.model.name), cfg.model.chat_template, cfg.model.chat_template_kwargs)
     env = build_environment(cfg.rollout)
     schemas: dict[str, Any] = {}
     report, kept = [], None

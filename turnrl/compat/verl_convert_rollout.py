@@ -111,15 +111,15 @@ def template_kwarg(value: Any, ctx: Ctx) -> Out:
     name = ctx.key.rsplit(".", 1)[-1]
     if not _template_reads(ctx, name):
         return na(f"the model's chat template does not read '{name}'")
-    raise Refused(f"the model's chat template reads '{name}', and turnrl renders templates without extra "
-                  "arguments: drop the key, or use a model/template without it")
+    return Out({f"model.chat_template_kwargs.{name}": value})
 
 
 # -- the engine and its sampling -----------------------------------------------------------------------
 def engine(value: Any, ctx: Ctx) -> Out:
     if value == "sglang":
         raise Refused("SGLang is not available here; use rollout.name=vllm (the same multi-turn agent loop runs "
-                      "on every engine) or hf")
+                      "on every engine) or hf, or vLLM servers (engine.kind=vllm_server; README 'Rolling out on "
+                      "vLLM servers' says what an SGLang server engine would take)")
     return Out({"engine.kind": one_of(value, {"vllm": "vllm", "hf": "hf"}, "rollout engine")})
 
 
@@ -162,8 +162,8 @@ def val_kwarg(ok: tuple[Any, ...]) -> Convert:
 # -- agent loops and tools -----------------------------------------------------------------------------
 def tool_parser(value: Any, ctx: Ctx) -> Out:
     from turnrl.chat.parsers import PARSERS
-    if value not in PARSERS:
-        raise Refused(f"tool-call format {value!r} has no parser here; known: {', '.join(PARSERS)}")
+    if value not in PARSERS and value != "auto":
+        raise Refused(f"tool-call format {value!r} has no parser here; known: {', '.join(PARSERS)}, auto")
     return Out({"rollout.tool_parser": value})
 
 

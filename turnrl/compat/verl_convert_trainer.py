@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from turnrl.compat.verl_convert import (AR, DTYPES, Convert, Ctx, Out, Refused, as_bool, as_file, as_float,
                                         as_int, is_empty, na, one_of)
+from turnrl.config.schema import COMPUTED_METRICS, JUDGED_METRICS
 
 
 # -- steps, warmup and schedule ------------------------------------------------------------------------
@@ -143,14 +144,6 @@ def kl_ctrl_type(value: Any, ctx: Ctx) -> Out:
     raise Refused("an adaptive KL controller is not available: use kl_ctrl.type=fixed")
 
 
-def rollout_is(value: Any, ctx: Ctx) -> Out:
-    if is_empty(value):
-        return na("off")
-    if value != "token":
-        raise Refused("only rollout_is=token (truncated importance sampling per token) is available")
-    return Out({"algo.tis_cap": as_float(ctx.get("algorithm.rollout_correction.rollout_is_threshold", 2.0))})
-
-
 def clip_ratio(value: Any, ctx: Ctx) -> Out:
     out = {}
     if not ctx.has(f"{AR}.actor.clip_ratio_low"):
@@ -178,6 +171,9 @@ def model_dtype(value: Any, ctx: Ctx) -> Out:
     dtype = one_of(value, DTYPES, "dtype")
     if dtype == "float16":
         raise Refused("training in float16 is not supported: use bf16 or fp32")
+    if dtype == "bfloat16":   # verl's bf16 is a GPU speed choice; an AVX2 CPU would run it 60x slower than fp32
+        return Out({"trainer.dtype": "auto"}, "fp32 weights, bf16 autocast where the device multiplies bf16 "
+                                               "natively (GPUs, AVX512-BF16/AMX CPUs), fp32 elsewhere")
     return Out({"trainer.dtype": dtype}, "turnrl keeps fp32 weights and computes in this dtype (autocast)")
 
 
@@ -270,11 +266,12 @@ def reward_manager(value: Any, ctx: Ctx) -> Out:
         return na("turnrl's reward stage: reward.functions (custom_reward_function) + tool and interaction rewards")
     if value == "collabllm":
         return Out({}, "the CollabLLM conversation-level reward: reward.judge (from reward_kwargs)")
-    raise Refused(f"reward manager {value!r} is not available; supported: naive, collabllm")
+    if value == "dapo":
+        return na("turnrl's reward stage, plus DAPO's overlong penalty from reward_kwargs.overlong_buffer_cfg")
+    raise Refused(f"reward manager {value!r} is not available; supported: naive, collabllm, dapo")
 
 
 def metric_weight(value: Any, ctx: Ctx) -> Out:
-    from turnrl.rewards.judge import COMPUTED_METRICS, JUDGED_METRICS
     if not _collab(ctx):
         raise Refused("metric_weights belong to reward_model.reward_manager=collabllm")
     metric = ctx.key.rsplit(".", 1)[-1]

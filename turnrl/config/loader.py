@@ -150,6 +150,9 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
+            removed: dict[str, str] = getattr(cls, "removed_keys", {})   # a ClassVar of the config dataclass
+            if key in removed:
+                raise ConfigError(f"Config key '{full}' was removed: {removed[key]}.")
             raise ConfigError(f"Unknown config key '{full}'." + _suggest(str(key), list(fields), prefix))
         if fields[key].metadata.get("secret"):
             try:
@@ -238,6 +241,20 @@ def _deep_copy(data: Any) -> Any:
     return data
 
 
+def _cycle(value: Any, key: str = "", inside: tuple[int, ...] = ()) -> str | None:
+    """The dotted key of a container that contains itself (a recursive YAML alias), else None."""
+    if not isinstance(value, (dict, list)):
+        return None
+    if id(value) in inside:
+        return key
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for k, v in items:
+        found = _cycle(v, f"{key}.{k}" if key else str(k), inside + (id(value),))
+        if found is not None:
+            return found
+    return None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -246,6 +263,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
         raise ConfigError(f"Config file '{path}' is not valid YAML: {exc}") from None
+    cycle = _cycle(data)
+    if cycle is not None:
+        raise ConfigError(f"Config file '{path}': '{cycle or '(top)'}' refers to itself through a YAML alias "
+                          f"(&anchor ... *anchor inside itself); write the value out instead.")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -253,8 +274,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# A name that holds a secret: *_KEY, *_TOKEN, *SECRET*, *PASSWORD, *_PAT, credentials, auth (as a word of the
+# name, so KEYBOARD or TOKENIZER do not match).
+SECRET_NAME = re.compile(r"(^|[_\-.])(API_?KEY|KEY|TOKEN|SECRET|SECRET_ACCESS_KEY|PASSWORD|PASSWD|PASS|PWD|PAT|"
+                         r"CREDENTIALS?|AUTH|AUTHORIZATION|BEARER|COOKIE)S?($|[_\-.])", re.IGNORECASE)
+URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s/:@]*:)([^\s/@]+)@")
+
+
+def redact_urls(text: str) -> str:
+    """`scheme://user:password@host` -> `scheme://user:***@host`."""
+    return URL_CREDENTIALS.sub(lambda m: m.group(1) + REDACTED + "@", text)
+
+
 def to_dict(obj: Any, redact: bool = True) -> Any:
-    """A dataclass tree as plain data; secret fields become '***' when set and `redact` is on."""
+    """A dataclass tree as plain data. With `redact`: secret fields and values under a secret-looking key
+    (`extra_body: {api_key: ...}`) become '***' when set, and passwords inside URLs are masked."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
         for f in dataclasses.fields(obj):
@@ -267,7 +301,10 @@ def to_dict(obj: Any, redact: bool = True) -> Any:
     if isinstance(obj, list):
         return [to_dict(v, redact) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v, redact) for k, v in obj.items()}
+        return {k: REDACTED if redact and isinstance(k, str) and SECRET_NAME.search(k) and isinstance(v, str)
+                and v and not is_reference(v) else to_dict(v, redact) for k, v in obj.items()}
+    if redact and isinstance(obj, str) and "://" in obj:
+        return redact_urls(obj)
     return obj
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
 from turnrl.config.loader import ConfigError, secret
 
@@ -35,10 +36,19 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    # keys that once existed and did nothing: an old config that sets one learns what to do instead (the loader)
+    removed_keys: ClassVar[dict[str, str]] = {
+        "dtype": "set trainer.dtype (training) and engine.dtype (sampling) instead"}
     name: str = "smollm2-135m-instruct"  # built-in alias, local HF dir, or cached hub id
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 where supported
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
+    chat_template: str | None = None     # a Jinja file replacing the tokenizer's chat template (none: the model's)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables, e.g. enable_thinking
+
+    def validate(self) -> None:
+        if self.chat_template is not None and not Path(self.chat_template).expanduser().is_file():
+            raise ConfigError(f"'chat_template' must be the path of a Jinja chat template file, got "
+                              f"{self.chat_template!r} (no such file).")
 
 
 VLLM_LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -46,7 +56,7 @@ VLLM_LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass
 class EngineConfig:
-    kind: Literal["hf", "vllm"] = "hf"
+    kind: Literal["hf", "vllm", "vllm_server"] = "hf"
     device: str = "auto"                 # auto | cpu | cuda | cuda:N  (hf engine)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = 64             # hf: sequences decoded together
@@ -56,6 +66,14 @@ class EngineConfig:
     #                                      turns and sibling samples (0 or enable_prefix_caching=false: off)
     fast: Literal["auto", "on", "off"] = "auto"  # hf: the fast engine (slot KV cache of max_batch_size x
     #                                      max_model_len, CUDA graphs, device sampling); auto: on CUDA
+    fast_prefix_cache: bool = False      # hf fast engine: later turns continue their parked slot, groups copy the
+    #                                      prompt KV (9x fewer prefilled tokens, but 0.84x multi-turn tok/s on the
+    #                                      H200's short-context bench: README "Prefix cache in the fast engine")
+    exact: bool = False                  # hf: engine and trainer logprobs equal bit for bit, tokens independent of
+    #                                      the batch (batch-invariant forward of turnrl/exact; slot engine, eager)
+    partial_rollout: bool = False        # with trainer.async_rollout: a weight sync interrupts the requests in
+    #                                      flight, which go on from their sampled tokens on the new weights
+    #                                      (turnrl/engines/resume.py; hf, fast, vllm, vllm_server)
     # vLLM
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.5
@@ -70,8 +88,26 @@ class EngineConfig:
     # Ray (trainer.placement colocated/split)
     replicas: int = 0                    # engine replicas, each an actor on tensor_parallel_size GPUs (0: auto)
     request_retries: int = 2             # a request whose replica died is retried on another this many times
+    # vLLM servers (kind vllm_server; README "Rolling out on vLLM servers")
+    urls: list[str] = field(default_factory=list)  # running servers (python -m turnrl.engines.vllm_launch ...)
+    launch: int = 0                      # > 0: turnrl starts this many servers itself (instead of urls)
+    launch_timeout_s: float = 600.0
+    served_model_name: str = "turnrl-policy"
+    transfer_dir: str = ""               # where weight files for the servers go ("" = /dev/shm); shared storage
+    #                                      when a server runs on another host
+    request_timeout_s: float = 600.0
+    revive_timeout_s: float = 600.0      # how long a restarted server may take to come back
 
     def validate(self) -> None:
+        if self.kind == "vllm_server" and bool(self.urls) == bool(self.launch):
+            raise ConfigError("engine.kind=vllm_server needs either engine.urls (running servers) or engine.launch "
+                              "(how many servers turnrl starts), not both" if self.urls else
+                              "engine.kind=vllm_server needs engine.urls=[http://host:port, ...] (running servers) "
+                              "or engine.launch=N (turnrl starts N servers)")
+        if self.kind != "vllm_server" and (self.urls or self.launch):
+            raise ConfigError(f"engine.urls and engine.launch are for engine.kind=vllm_server, not {self.kind!r}")
+        _positive("launch", self.launch, allow_zero=True)
+        _positive("request_timeout_s", self.request_timeout_s)
         _positive("max_batch_size", self.max_batch_size)
         _positive("gather_ms", self.gather_ms, allow_zero=True)
         _positive("prefix_cache_tokens", self.prefix_cache_tokens, allow_zero=True)
@@ -86,6 +122,10 @@ class EngineConfig:
                               f"got {self.max_lora_rank}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"'gpu_memory_utilization' must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.exact and (self.kind != "hf" or self.fast == "off"):
+            raise ConfigError("'exact' needs the embedded slot engine, whose forward the trainer shares: set "
+                              "kind: hf and fast: auto or on (vLLM's kernels cannot match the trainer's bit for "
+                              "bit; keep exact: false there and watch the mismatch/* metrics).")
 
 
 @dataclass
@@ -127,7 +167,8 @@ class RolloutConfig:
     max_context_tokens: int = 4096
     concurrency: int = 256               # trajectories in flight
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    tool_parser: str = "hermes"
+    tool_parser: Literal["hermes", "llama3_json", "qwen3_coder", "pythonic", "mistral", "deepseek_v3", "auto"] = "hermes"
+    #                                      chat/parsers PARSERS, or auto: detected from the template (chat/detect.py)
     max_parallel_calls: int = 4
     tool_timeout_s: float = 10.0
     max_tool_response_tokens: int = 256
@@ -221,6 +262,24 @@ class LLMConfig:
         _positive("retries", self.retries, allow_zero=True)
 
 
+# The LLM judge's built-in metrics (turnrl.rewards.judge, turnrl.rewards.collab): judged by the LLM, or computed.
+JUDGED_METRICS = {
+    "accuracy": "is the assistant's final answer or deliverable correct, and does it meet the user's goal "
+                "(compare with the reference answer when there is one)? 1 = fully correct, 0 = wrong or missing.",
+    "interactivity": "did the assistant engage with the user: ask about what was missing or ambiguous, use "
+                     "the user's answers, stay on the user's goal, keep replies short and clear? "
+                     "1 = very engaging and helpful, 0 = ignored the user.",
+}
+COMPUTED_METRICS = {
+    "token_amount": "tokens the policy wrote in the conversation (prompt excluded): weight it negatively "
+                    "to ask for brevity, e.g. -0.0005.",
+    "bleu": "BLEU-4 (smoothed) of the final assistant message against the row's ground truth text, 0..1.",
+    "pass_rate": "share of the row's tests (extra.tests, else ground_truth) that the last code block of the "
+                 "final assistant message passes, run in a Python subprocess. Not a sandbox: use only "
+                 "on machines where running model-written code is acceptable.",
+}
+
+
 @dataclass
 class JudgeConfig:
     """An LLM judge as a reward, optionally on sampled future conversations (CollabLLM).
@@ -245,7 +304,6 @@ class JudgeConfig:
     pass_timeout_s: float = 10.0         # pass_rate: per test run
 
     def validate(self) -> None:
-        from turnrl.rewards.judge import COMPUTED_METRICS, JUDGED_METRICS
         if not self.metric_weights:
             raise ConfigError("'metric_weights' is empty: give each metric a weight, e.g. "
                               "{accuracy: 1.0, interactivity: 0.5, token_amount: -0.0005}.")
@@ -270,6 +328,18 @@ class JudgeConfig:
 
 
 @dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment (turnrl/algo/dapo.py): 0 up to rollout.max_response_tokens - buffer
+    response tokens, then linear down to -penalty at the limit; added to each trajectory's reward."""
+    buffer: int = 0                      # tokens before the response limit where the penalty grows; 0 = off
+    penalty: float = 1.0                 # the penalty at the limit (verl's penalty_factor)
+
+    def validate(self) -> None:
+        _positive("buffer", self.buffer, allow_zero=True)
+        _positive("penalty", self.penalty, allow_zero=True)
+
+
+@dataclass
 class RewardConfig:
     functions: list[str] = field(default_factory=list)   # built-in names or path.py:function
     weights: list[float] = field(default_factory=list)    # one per function; default 1.0 each
@@ -278,6 +348,7 @@ class RewardConfig:
     use_interaction_rewards: bool = True
     accuracy_part: str | None = None     # reward part read as accuracy (default: first function, else interaction)
     judge: JudgeConfig | None = None     # an LLM judge / CollabLLM conversation-level reward, part 'judge'
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO overlong reward shaping
 
     def validate(self) -> None:
         if self.weights and len(self.weights) != len(self.functions):
@@ -285,6 +356,46 @@ class RewardConfig:
         if self.function_kwargs and len(self.function_kwargs) != len(self.functions):
             raise ConfigError(f"'function_kwargs' has {len(self.function_kwargs)} entries for {len(self.functions)} "
                               "functions (one mapping per function, {} for none).")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Engine/trainer mismatch correction (turnrl/algo/rollout_correction.py): truncated IS weights, rejection
+    of tokens or sequences whose ratio pi_trainer / pi_engine leaves [rs_low, rs_high], and a veto."""
+    is_level: Literal["token", "sequence"] | None = None   # IS weights min(ratio, is_cap) per token / sequence
+    is_cap: float = 2.0
+    rs_level: Literal["token", "sequence", "geometric"] | None = None   # rejection statistic
+    rs_high: float | None = None         # keep ratios <= rs_high (required with rs_level)
+    rs_low: float | None = None          # keep ratios >= rs_low (default 1 / rs_high)
+    veto: float | None = None            # reject a sequence holding a token with ratio < veto (e.g. 1e-4)
+
+    def validate(self) -> None:
+        _positive("is_cap", self.is_cap)
+        if self.rs_level is not None and (self.rs_high is None or self.rs_high <= 0):
+            raise ConfigError(f"'rs_level: {self.rs_level}' needs 'rs_high' > 0 (e.g. 2.0; rs_low defaults to "
+                              "1 / rs_high).")
+        if self.rs_low is not None and (self.rs_low <= 0 or (self.rs_high is not None and self.rs_low > self.rs_high)):
+            raise ConfigError(f"need 0 < rs_low <= rs_high, got rs_low={self.rs_low}, rs_high={self.rs_high}.")
+        if self.veto is not None:
+            _positive("veto", self.veto)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling (turnrl/train/dynamic_sampling.py): drop groups whose samples all score the same
+    and sample more prompts until the step has data.prompts_per_step groups with signal."""
+    enable: bool = False
+    metric: str = "reward"               # reward | accuracy | the name of a reward part
+    max_rounds: int = 4                  # rollout rounds per step, the first included (0: no limit)
+    prompts_per_round: int | None = None  # prompts each round samples (default data.prompts_per_step)
+
+    def validate(self) -> None:
+        _positive("max_rounds", self.max_rounds, allow_zero=True)
+        if self.prompts_per_round is not None:
+            _positive("prompts_per_round", self.prompts_per_round)
+
+
+LOSS_MODES = ("ppo", "gspo", "cispo", "gmpo")
 
 
 @dataclass
@@ -304,9 +415,22 @@ class AlgoConfig:
     tis_cap: float | None = None         # truncated importance sampling for engine/trainer mismatch
     value_clip: float = 0.2
     value_coef: float = 0.5
+    loss_mode: Literal["ppo", "gspo", "cispo", "gmpo"] = "ppo"   # policy loss (turnrl/algo/policy_losses.py)
+    correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def validate(self) -> None:
         _positive("clip_low", self.clip_low)
+        if self.loss_mode in ("gspo", "gmpo") and self.loss_agg == "token-mean":
+            raise ConfigError(f"loss_mode {self.loss_mode} averages per sequence, then over sequences: set "
+                              "'loss_agg' to seq-mean-token-mean.")
+        if self.loss_mode != "ppo" and self.dual_clip is not None:
+            raise ConfigError(f"'dual_clip' is PPO's; loss_mode {self.loss_mode} does not use it: set it to null.")
+        if self.loss_mode == "ppo" and self.clip_low >= 1:
+            raise ConfigError(f"'clip_low' must be < 1 with loss_mode ppo, got {self.clip_low}.")
+        if self.tis_cap is not None and self.correction.is_level is not None:
+            raise ConfigError("'tis_cap' is token-level IS: set either it or 'correction.is_level'/'is_cap', not "
+                              "both.")
         _positive("clip_high", self.clip_high)
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"'dual_clip' must be > 1 (e.g. 3.0), got {self.dual_clip}.")
@@ -335,6 +459,7 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
+    removed_keys: ClassVar[dict[str, str]] = {"log_every": "metrics are logged every step; remove the key"}
     steps: int = 10
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -352,8 +477,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0
     resume: str | None = None            # "latest" or a checkpoint directory
-    log_every: int = 1
+    overwrite: bool = False              # a new run into an output_dir holding one deletes it (else: an error)
     trajectories_per_step_saved: int = 16
+    max_masked_steps: int = 3            # stop after this many steps in a row with every trajectory masked (0: never)
     # Scale-out on Ray (turnrl/distributed): local = this process only
     placement: Literal["local", "colocated", "split"] = "local"  # colocated: engines share the trainer's GPUs
     nodes: int = 1
@@ -378,6 +504,7 @@ class TrainerConfig:
         _positive("ranks", self.ranks, allow_zero=True)
         _positive("cpus_per_actor", self.cpus_per_actor)
         _positive("max_staleness", self.max_staleness, allow_zero=True)
+        _positive("max_masked_steps", self.max_masked_steps, allow_zero=True)
         if self.packing and self.placement != "local":
             raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "
                               f"{self.placement}.")
@@ -417,11 +544,57 @@ class LoggingConfig:
     run_name: str | None = None
     wandb_api_key: str | None = secret()   # env:NAME or file:PATH (see turnrl.config.secrets); unset: WANDB_API_KEY
     progress: Literal["auto", "on", "off"] = "auto"
+    engine_logs: bool = False            # the engine's INFO log on the console too (default: warnings and errors;
+    #                                      the full log goes to <output_dir>/engine.log)
 
     def validate(self) -> None:
         key = self.wandb_api_key or ""
         if key in ("env:", "file:"):
             raise ConfigError(f"'wandb_api_key' is '{key}' with nothing after it: write env:VARIABLE or file:/path.")
+
+
+@dataclass
+class EnvConfig:
+    """An environment from another framework that brings its own rows, tools, env turns and reward."""
+    verifiers: str | None = None         # module:load_environment, path.py:load_environment, or a name verifiers
+    #                                      loads (an installed environment package)
+    args: dict[str, Any] = field(default_factory=dict)     # keyword arguments of load_environment
+    eval: bool = False                   # also evaluate on the environment's eval dataset (trainer.eval_every)
+
+    def expand(self, cfg: Config) -> None:
+        """Point the data, the tools and the interaction at the environment (turnrl/compat/verifiers_env.py);
+        idempotent, so a saved config loads again."""
+        if self.verifiers is None:
+            return
+        spec = {"env": self.verifiers, "args": self.args}
+        train = cfg.data.train
+        if train.path is not None or train.task not in (DEFAULT_TRAIN_TASK, "verifiers"):
+            raise ConfigError("env.verifiers brings its own rows: remove data.train.path / data.train.task.")
+        cfg.data.train = DatasetConfig(task="verifiers", options={**spec, "split": "train"}, max_rows=train.max_rows)
+        if self.eval:
+            cfg.data.eval = DatasetConfig(task="verifiers", options={**spec, "split": "eval"})
+        if not any(t.class_name == "verifiers" for t in cfg.rollout.tools):
+            cfg.rollout.tools.append(ToolSpec("verifiers", dict(spec)))
+        if not any(i.name == "verifiers" for i in cfg.rollout.interactions):
+            cfg.rollout.interactions.append(InteractionSpec("verifiers", "verifiers", dict(spec)))
+
+
+@dataclass
+class AgentConfig:
+    """Your own agent, trained through the gateway (turnrl/gateway/agents.py): set `entrypoint` or `command`."""
+    entrypoint: str | None = None        # "pkg.module:run" or "path/agent.py:run": run(row, client) -> reward or None
+    command: list[str] | None = None     # a process per session, given OPENAI_BASE_URL, TURNRL_TASK (JSON), ...
+    returns_reward: bool = True          # the agent returns the reward (part 'agent'); false: reward.functions only
+    reward_weight: float = 1.0           # of the returned reward in the total
+    timeout_s: float = 300.0             # per session; a session past it is an agent error (masked)
+    env: dict[str, str] = field(default_factory=dict)   # command: extra environment variables
+
+    def validate(self) -> None:
+        if (self.entrypoint is None) == (self.command is None):
+            raise ConfigError("set exactly one of 'entrypoint' (\"pkg.module:run\") or 'command' ([program, args...]).")
+        if self.command is not None and not self.command:
+            raise ConfigError("'command' is empty: give the program and its arguments, e.g. [python, agent.py].")
+        _positive("timeout_s", self.timeout_s)
 
 
 @dataclass
@@ -435,5 +608,10 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig | None = None     # train your own agent through the gateway instead of the agent loop
     output_dir: str = "runs/default"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.env.expand(self)

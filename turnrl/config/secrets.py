@@ -9,8 +9,11 @@ Left unset, a client reads its own variable (wandb: WANDB_API_KEY).
 Where it could leak, it is kept out: config dumps (`turnrl config show`, a run's config.yaml, checkpoints'
 trainer_state.json, the config sent to trackers) show a reference as written and a literal key as '***';
 errors never quote a secret's value; and `redact` removes, from the trajectories written to disk (which the
-viewer shows), every secret this process resolved and the value of every environment variable named like a
-secret (`*_API_KEY`, `*_TOKEN`, `*_SECRET`, `*PASSWORD`), should a tool or an error message echo one.
+viewer shows, and which the viewer redacts again when it serves them), the metrics and tables files, every
+secret this process resolved, the value of every environment variable named like a secret (a word of its name
+is KEY, TOKEN, SECRET, PASSWORD, PAT, CREDENTIALS, AUTH, ...: AWS_SECRET_ACCESS_KEY, AZURE_OPENAI_KEY, GH_PAT),
+the password of every URL-valued variable (DATABASE_URL) and every `scheme://user:password@` in the text,
+should a tool or an error message echo one.
 Model-written code never sees them: the python sandbox starts with an empty environment.
 """
 
@@ -21,9 +24,9 @@ import os
 import re
 from pathlib import Path
 
-from turnrl.config.loader import REDACTED, ConfigError
+from turnrl.config.loader import REDACTED, SECRET_NAME, URL_CREDENTIALS, ConfigError, redact_urls
 
-SECRET_ENV = re.compile(r"(API_KEY|TOKEN|SECRET|PASSWORD)$", re.IGNORECASE)
+SECRET_ENV = SECRET_NAME
 MIN_REDACTED = 8                 # shorter values (flags like "1") would redact ordinary text
 _RESOLVED: set[str] = set()
 
@@ -52,12 +55,18 @@ def resolve_secret(value: str | None, key: str) -> str | None:
 
 
 def known_secrets() -> list[str]:
+    """Every secret this process resolved, the values of secret-named environment variables, and the passwords
+    inside URL-valued ones (DATABASE_URL=postgres://user:PASSWORD@host)."""
     values = set(_RESOLVED) | {v for k, v in os.environ.items() if SECRET_ENV.search(k)}
+    values |= {m.group(2) for v in os.environ.values() if "://" in v for m in URL_CREDENTIALS.finditer(v)}
     return sorted((v for v in values if len(v) >= MIN_REDACTED), key=len, reverse=True)
 
 
 def redact(text: str) -> str:
-    """`text` with every known secret (as is, and as escaped inside a JSON string) replaced by '***'."""
+    """`text` with every known secret (as is, and as escaped inside a JSON string) and every password inside a
+    URL replaced by '***'."""
+    if "://" in text:
+        text = redact_urls(text)
     for secret in known_secrets():
         for form in {secret, json.dumps(secret, ensure_ascii=False)[1:-1]}:
             if form in text:

@@ -5,6 +5,11 @@ turnrl row: `messages` (chat list), optional `tools` (names; default: every conf
 `data_source`, `extra` (anything). verl row: `prompt`, `reward_model.ground_truth`, `data_source`,
 `agent_name`, `extra_info.{index, tools_kwargs[tool].create_kwargs, interaction_kwargs{name, ...}}`.
 
+Parquet files whose rows mix modes (pyarrow, pandas and datasets write them so) read back with every struct
+field on every row, null-filled where the row had none: `interaction_kwargs: {name: None, ...}` on a tool
+row, `tools_kwargs: {tool: None}` on an interaction row. None values are dropped on reading (`_plain`), so
+such a row has no interaction and such a tool has no create kwargs.
+
 verl picks an agent loop per row by `agent_name` and silently runs a row without one single-turn. turnrl
 runs one loop for every row: a row that asks for tools (`tools_kwargs`) or an interaction is multi-turn
 whatever its `agent_name`; `single_turn_agent` on a row that asks for neither gets no tools (one turn, as in
@@ -108,6 +113,8 @@ def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
         raise DataError(f"{where}: 'tools_kwargs' must map tool names to create kwargs")
     tools_kwargs = {k: _create_kwargs(v, f"{where}: tools_kwargs['{k}']") for k, v in tools_kwargs.items()}
     interaction = row.get("interaction", extra_info.get("interaction_kwargs"))
+    if interaction == {}:  # parquet null-fills the struct on rows of a file that mixes modes: no interaction
+        interaction = None
     if interaction is not None and (not isinstance(interaction, dict) or not isinstance(interaction.get("name"), str)):
         raise DataError(f"{where}: 'interaction' must be a mapping with a 'name' string")
     tools = row.get("tools")
@@ -127,8 +134,16 @@ def task_from_row(row: dict[str, Any], index: int, where: str) -> Task:
                 agent_name=agent_name)
 
 
+def _some(tasks: list[Task], path: Path) -> list[Task]:
+    if not tasks:
+        raise DataError(f"data file '{path}' holds no rows")
+    return tasks
+
+
 def load_rows(path: str | Path) -> list[Task]:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data path '{path}' is a directory; give a .jsonl or .parquet file")
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist")
     if path.suffix == ".parquet":
@@ -136,11 +151,19 @@ def load_rows(path: str | Path) -> list[Task]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError("reading Parquet needs pyarrow: pip install pyarrow") from None
-        rows = pq.read_table(path).to_pylist()
-        return [task_from_row(r, i, f"{path}:row {i}") for i, r in enumerate(rows)]
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+            raise DataError(f"data file '{path}' is not a Parquet file pyarrow can read "
+                            f"({type(exc).__name__}: {exc})") from None
+        return _some([task_from_row(r, i, f"{path}:row {i}") for i, r in enumerate(rows)], path)
     if path.suffix in (".jsonl", ".json"):
         tasks = []
-        for i, line in enumerate(path.read_text().splitlines()):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise DataError(f"data file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        for i, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
@@ -148,5 +171,5 @@ def load_rows(path: str | Path) -> list[Task]:
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{i + 1}: not valid JSON ({exc.msg})") from None
             tasks.append(task_from_row(row, len(tasks), f"{path}:{i + 1}"))
-        return tasks
+        return _some(tasks, path)
     raise DataError(f"'{path}': unknown data format '{path.suffix}'; use .jsonl or .parquet")

@@ -113,7 +113,14 @@ TASKS: dict[str, Callable[[int, int, dict[str, Any]], list[Task]]] = {
     "calculator": calculator, "feedback_math": feedback_math, "guess_number": guess_number}
 
 
+# Task sources that take only their options (the rows of another framework's environment); integrations above
+# this layer register theirs here (turnrl.compat registers "verifiers").
+TASK_SOURCES: dict[str, Callable[..., list[Task]]] = {}
+
+
 def generate_task(name: str, size: int, seed: int, options: dict[str, Any]) -> list[Task]:
+    if name in TASK_SOURCES:
+        return TASK_SOURCES[name](**options)
     if name not in TASKS:
-        raise DataError(f"unknown built-in task '{name}'; built-ins: {', '.join(TASKS)}")
+        raise DataError(f"unknown built-in task '{name}'; built-ins: {', '.join([*TASKS, *TASK_SOURCES])}")
     return TASKS[name](size, seed, options)

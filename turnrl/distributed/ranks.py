@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import socket
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +60,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _to(rows: Rows, device: torch.device) -> Rows:
-    return Rows(**{f.name: (None if getattr(rows, f.name) is None else getattr(rows, f.name).to(device))
-                   for f in fields(rows)})
 
 
 def shard_model(model: Any, mesh: Any, amp: torch.dtype | None = None) -> None:
@@ -168,7 +163,7 @@ class TrainRank:
     def logprobs(self, rows: Rows, micro: Micro, reference: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Logprobs of this rank's rows (without gradients): [(row indices [b], logprobs [b, width])]."""
         from turnrl.train.policy import forward_logprobs
-        rows = _to(rows, self.device)
+        rows = rows.to(self.device)
         s = self.spec.settings
         ctx = self.reference.model() if reference else contextlib.nullcontext(self.policy)
         out = []
@@ -186,7 +181,7 @@ class TrainRank:
         """The optimizer steps of one rollout batch. Returns mean stats, the summed objective per step (add it over
         ranks and divide by the world size for the mini-batch's loss) and, for a single pass, the trainer
         logprobs of this rank's rows."""
-        rows = _to(rows, self.device)
+        rows = rows.to(self.device)
         s = self.spec.settings
         self.policy.train()
         stats: Stats = {}
@@ -330,12 +325,13 @@ class TrainRank:
 
         from turnrl.train import checkpoint as ckpt
         p = Path(path)
+        ckpt.verify(p)   # every file against the checkpoint's manifest, before anything is loaded
         plain = self._plain_model()
-        ckpt.load_model_weights(plain, p)
+        ckpt.load_model_weights(plain, p, verified=True)
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.policy, plain.state_dict(), options=opts)
         del plain
-        optim = torch.load(p / "optimizer.pt", weights_only=False)
+        optim = ckpt.read_torch(p, "optimizer.pt")
         set_optimizer_state_dict(self.policy, self.optimizer, optimizer_from_plain(optim, self.names), options=opts)
         self.scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
         extra = torch.load(p / "extra.pt", weights_only=False) if (p / "extra.pt").is_file() else {}

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from turnrl.distributed.router import ReplicaDied, ReplicaState
+from turnrl.engines.router import ReplicaDied, ReplicaState
 from turnrl.distributed.sync import WeightPayload, apply_payload, open_group, open_ipc, receive_buckets
 from turnrl.engines.base import Completion, EngineError, Sampling
 
@@ -60,7 +60,7 @@ class EngineReplica:
     async def receive_broadcast(self, version: int) -> None:
         if self.group is None:
             raise EngineError(f"replica {self.name} is not in a broadcast group")
-        device = getattr(self.engine, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        device = self.engine.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         tensors = await asyncio.to_thread(receive_buckets, self.group, self.metas, torch.device(device))
         await self.update_weights(WeightPayload(tensors=tensors, **self.payload_info), version)
 
@@ -74,25 +74,25 @@ class EngineReplica:
 
     async def sleep(self) -> bool:
         """Free GPU memory while the trainer updates (engines with a sleep mode); False if it cannot."""
-        if getattr(self.engine, "sleep_enabled", False):
+        if self.engine.capabilities.sleep:
             await self.engine.sleep(1)
             return True
         return False
 
     async def wake_up(self) -> None:
-        if getattr(self.engine, "sleep_enabled", False):
+        if self.engine.capabilities.sleep:
             await self.engine.wake_up()
 
     async def fingerprint(self) -> dict[str, float] | None:
         """Sum of each weight (float64) of an engine that exposes its model (hf); None otherwise. Compared with
         the trainer's after a sync, it shows the engine holds what the trainer sent."""
-        model = getattr(self.engine, "model", None)
+        model = self.engine.model
         if model is None:
             return None
         return {n: float(t.double().sum()) for n, t in model.state_dict().items()}
 
     async def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, **getattr(self.engine, "stats", {})}
+        return {"name": self.name, "version": self.version, **self.engine.stats}
 
     async def close(self) -> None:
         await self.engine.close()

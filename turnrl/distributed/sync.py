@@ -79,11 +79,11 @@ async def apply_payload(engine: Any, payload: WeightPayload, version: int, base:
     if payload.kind == "full":
         await engine.update_weights(payload.tensors.items(), version)
         return
-    if getattr(engine, "lora_enabled", False):  # vLLM with LoRA slots: load the adapter as an adapter
+    if engine.capabilities.lora_adapters:  # vLLM with LoRA slots: load the adapter as an adapter
         tensors = {n.replace(".default.", "."): t for n, t in payload.tensors.items()}
         await engine.update_lora(tensors, payload.peft_config or {}, version)
         return
-    model = getattr(engine, "model", None)
+    model = engine.model
     if model is None:
         raise EngineError("this engine can take a LoRA adapter neither as an adapter nor merged: for vllm set "
                           "engine.max_lora_rank to at least model.lora.rank")

@@ -6,11 +6,9 @@ trajectory, talking to the router), rewards, advantages, metrics and logs. Engin
 run the update; `turnrl.distributed.sync` moves weights from ranks to replicas; `turnrl.distributed.async_rollout`
 decides when each batch starts (synchronous, or pipelined under `trainer.max_staleness`).
 
-One step: take batch b (trajectories + rewards) -> rows on the driver (`batch_rows`) -> logprob passes on the
-ranks when needed (reference KL; several epochs or mini-batches) -> advantages on the driver
-(`compute_advantages`) -> the update on the ranks (a plan from `turnrl.distributed.balance`) -> weight sync ->
-metrics, samples, checkpoint. The same functions as `turnrl.train.trainer` compute rows, advantages and
-metrics, so a step here matches a local step on the same batch.
+One step: take batch b (trajectories + rewards) -> `turnrl.train.step.run_step`, the same step as the local
+trainer's, with this trainer as its placement (logprob passes and the update on the ranks, planned by
+`turnrl.distributed.balance`) -> weight sync -> checkpoint. A step here matches a local step on the same batch.
 
 Not supported here (each a clear error at start): PPO's critic (`algo.advantage=gae`) and periodic evaluation
 (`trainer.eval_every` with `data.eval`; run `turnrl eval` on a checkpoint instead).
@@ -20,37 +18,37 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from turnrl.config import Config, dump_yaml, to_dict
-from turnrl.data import Task, load_dataset
+from turnrl.config import Config, to_dict
+from turnrl.data import Task
 from turnrl.distributed import placement as place
 from turnrl.distributed.async_rollout import Pipeline
 from turnrl.distributed.balance import plan_mini, plan_passes
 from turnrl.distributed.ranks import RankGroup, RankSpec, TrainRank, merge_updates
 from turnrl.distributed.replicas import EngineReplica, ReplicaPool
-from turnrl.distributed.router import Router
+from turnrl.engines.router import Router
 from turnrl.distributed.sync import WeightSync, resolve_transport
 from turnrl.ledger import Source, Trajectory
 from turnrl.llm import close_all as close_llm_clients
-from turnrl.models import resolve
-from turnrl.observe.metrics import MetricsLogger, drop_steps_from
-from turnrl.observe.plots import refresh_plots
 from turnrl.observe.progress import Progress
 from turnrl.rewards.collab import RolloutContext
-from turnrl.rewards.functions import bind_rollout, score_all
-from turnrl.rollout.factory import build_environment, build_loop, load_template
-from turnrl.rollout.run import reward_functions
+from turnrl.rewards.build import reward_functions
+from turnrl.rewards.functions import score_all
+from turnrl.rollout.factory import build_environment, build_loop
+from turnrl.rollout.loop import session_key
 from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
-from turnrl.train.batching import mini_batches
-from turnrl.train.trainer import DataOrder, batch_rows, save_samples, seed_everything, settings_from, step_metrics
-from turnrl.train.update import compute_advantages
+from turnrl.train.dynamic_sampling import collect_step, shape_overlong
+from turnrl.train.batching import Rows, mini_batches
+from turnrl.train.step import Pass, StepInputs, rollout_seed, run_step
+from turnrl.train.setup import StepRecord, open_logger, resumed, set_up_run, train_data
+from turnrl.train.trainer import settings_from
 
 
 @dataclass
@@ -62,6 +60,7 @@ class Rollout:
     seconds: float                 # first request to last trajectory
     finish_s: list[float]          # when each trajectory finished, from the batch's start
     reward_s: float
+    sampling: dict[str, float] = field(default_factory=dict)   # dynamic sampling's metrics (filter_groups/*)
 
 
 def straggler_metrics(finish_s: list[float]) -> dict[str, float]:
@@ -82,9 +81,10 @@ def check_supported(cfg: Config) -> None:
     if cfg.data.eval is not None and cfg.trainer.eval_every:
         raise ValueError(f"trainer.eval_every is not supported with trainer.placement={cfg.trainer.placement}: set "
                          "trainer.eval_every=0 and run `turnrl eval CFG --checkpoint DIR` on a saved checkpoint")
-    if cfg.trainer.async_rollout and cfg.algo.tis_cap is None:
-        raise ValueError("trainer.async_rollout trains on samples of older policies: set algo.tis_cap (e.g. 2.0) so "
-                         "each token is importance-weighted by trainer/engine probability")
+    if cfg.trainer.async_rollout and cfg.algo.tis_cap is None and cfg.algo.correction.is_level is None:
+        raise ValueError("trainer.async_rollout trains on samples of older policies: set algo.tis_cap (e.g. 2.0) or "
+                         "algo.correction.is_level (token or sequence) so each token is importance-weighted by "
+                         "trainer/engine probability")
 
 
 class DistributedTrainer:
@@ -92,18 +92,10 @@ class DistributedTrainer:
         check_supported(cfg)
         self.cfg = cfg
         t = cfg.trainer
-        self.out = Path(cfg.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(dump_yaml(cfg))
-        seed_everything(cfg.seed)
-        self.model_dir = resolve(cfg.model.name)
-        d = cfg.data.train
-        self.data = DataOrder(load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows), cfg.seed,
-                              cfg.data.shuffle)
-        self.template = load_template(self.model_dir)
+        run = set_up_run(cfg)
+        self.out, self.model_dir, self.template, self.generator = run.out, run.model_dir, run.template, run.generator
+        self.data = train_data(cfg)
         self.env = build_environment(cfg.rollout)
-        self.rewards = reward_functions(cfg)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
         self.start_step = 0
 
         self.ray = place.start_ray(t.ray_address)
@@ -139,9 +131,12 @@ class DistributedTrainer:
         transport = resolve_transport(t.weight_sync, t.placement, gpu)
         self.sync = WeightSync(transport, self.ranks, self.pool, "nccl" if gpu else "gloo")
         self.staleness = t.max_staleness if t.async_rollout else 0
-        bind_rollout(self.rewards, RolloutContext(self.router, self.template, self.env, cfg.rollout, cfg.seed))
-        self.logger = MetricsLogger(self.out, cfg.logging.sinks, cfg.logging.project, cfg.logging.run_name,
-                                    to_dict(cfg), cfg.logging.wandb_api_key)
+        self.rewards = reward_functions(cfg, RolloutContext(self.router, self.template, self.env, cfg.rollout,
+                                                            cfg.seed))
+        self.step_inputs = StepInputs(self.settings, self.template.tokenizer.pad_token_id or 0, torch.device("cpu"),
+                                      False, [f.name for f in self.rewards], cfg.reward.accuracy_part,
+                                      self.out / "trajectories.jsonl", t.trajectories_per_step_saved)
+        self.logger = open_logger(cfg, self.out)
         self.started = False
         self.positions: dict[int, int] = {}
 
@@ -163,13 +158,12 @@ class DistributedTrainer:
         self.generator.set_state(loaded[0]["generator"])
         self.start_step = state["step"]
         self.data.position = state["data_position"]
-        drop_steps_from(self.out / "trajectories.jsonl", self.start_step + 1)
         await self.sync.push(self.start_step)
-        print(f"[turnrl] resumed from {path} at step {self.start_step}", flush=True)
+        resumed(self.out, path, self.start_step)
 
     async def run(self) -> list[dict[str, Any]]:
-        history = []
         steps = self.cfg.trainer.steps
+        record = StepRecord(self.cfg, self.out, self.logger)
         try:
             await self.start()
             pipe: Pipeline[Rollout] = Pipeline(self._launch, self.start_step, steps, self.staleness)
@@ -187,29 +181,31 @@ class DistributedTrainer:
                     metrics.update({"time/sync_s": time.perf_counter() - t0, "time/wait_rollout_s": t_wait,
                                     "async/staleness": float(step - version), "async/in_flight": float(pipe.in_flight),
                                     "time/step_s": time.perf_counter() - t_step})
-                    self.logger.log(step + 1, metrics)
-                    refresh_plots(self.out)
-                    history.append(metrics)
-                    every = self.cfg.trainer.save_every
-                    if step + 1 == steps or (every and (step + 1) % every == 0):
+                    if record.add(step + 1, metrics):
                         await self.save(step + 1, self.positions.get(step + 1, self.data.position))
             finally:
                 await pipe.close()
         finally:
             self.logger.close()
             await self.close()
-        return history
+        return record.history
 
     async def _launch(self, batch: int, version: int) -> Rollout:
         position = self.data.position
-        tasks = self.data.take(self.cfg.data.prompts_per_step)
         self.positions[batch] = position
-        return await self.rollout(tasks, self.cfg.rollout.n, batch, version, position)
+        rounds: list[Rollout] = []
+
+        async def sample(prompts: int) -> list[Trajectory]:
+            rounds.append(await self.rollout(self.data.take(prompts), self.cfg.rollout.n, batch, version, position))
+            return rounds[-1].trajectories
+        trajs, sampling = await collect_step(sample, self.cfg, [f.name for f in self.rewards])
+        return Rollout(trajs, version, position, sum(r.seconds for r in rounds),
+                       [s for r in rounds for s in r.finish_s], sum(r.reward_s for r in rounds), sampling)
 
     async def rollout(self, tasks: list[Task], n: int, batch: int, version: int, position: int = 0) -> Rollout:
         """Batch `batch` of trajectories through the router, scored; each records the replica of every turn."""
         cfg = self.cfg
-        seed = cfg.seed * 1_000_003 + batch
+        seed = rollout_seed(cfg.seed, batch)
         loop = build_loop(cfg.rollout, self.router, self.template, self.env, seed, None, policy_version=version)
         progress = Progress(len(tasks) * n, f"rollout {batch}", cfg.logging.progress,
                             in_flight=lambda: self.router.in_flight)
@@ -224,57 +220,48 @@ class DistributedTrainer:
         finally:
             progress.close()
         seconds = time.perf_counter() - start
-        where = self.router.pop_sessions(f"{seed}:{t.group_id}/{t.sample_index}" for t in trajs)
+        where = self.router.pop_sessions(session_key(seed, t.group_id, t.sample_index) for t in trajs)
         for traj in trajs:
-            traj.metrics["replicas"] = where[f"{seed}:{traj.group_id}/{traj.sample_index}"]
+            traj.metrics["replicas"] = where[session_key(seed, traj.group_id, traj.sample_index)]
         t0 = time.perf_counter()
         await score_all(trajs, self.rewards, cfg.reward.use_tool_rewards, cfg.reward.use_interaction_rewards)
+        shape_overlong(trajs, cfg.rollout.max_response_tokens, cfg.reward.overlong.buffer, cfg.reward.overlong.penalty)
         return Rollout(trajs, version, position, seconds, finish, time.perf_counter() - t0)
 
     async def train_on(self, step: int, rollout: Rollout) -> dict[str, Any]:
-        """Advantages and the update on the ranks; the step's metrics (before the weight sync)."""
-        s, cfg = self.settings, self.cfg
-        trajs = rollout.trajectories
+        """The step (`turnrl.train.step.run_step`) with the ranks as its placement; its metrics (before the
+        weight sync)."""
         if self.cfg.trainer.placement == "colocated":
             await self.pool.sleep()
-        t0 = time.perf_counter()
-        batch, rows, valid, rewards, groups = batch_rows(trajs, s.turn_level, self.template.tokenizer.pad_token_id or 0,
-                                                         torch.device("cpu"))
-        lengths = rows.lengths
-        all_rows = torch.arange(rows.input_ids.shape[0])
-        world = self.ranks.world
-        if s.needs_ref or not s.single_pass:
-            ref = self.ray.put(rows)
-            passes = plan_passes(all_rows, lengths, world, s.micro_batch_tokens)
-            if s.needs_ref:
-                rows.ref_logprobs = await self.ranks.logprobs(ref, passes, tuple(rows.input_ids.shape), reference=True)
-            if not s.single_pass:
-                rows.old_logprobs = await self.ranks.logprobs(ref, passes, tuple(rows.input_ids.shape))
-        kl = rows.engine_logprobs - rows.ref_logprobs if s.kl_in_reward and rows.ref_logprobs is not None else None
-        rows.advantages = compute_advantages(s, batch, rows.loss_mask, valid, rewards, groups, kl, rows)
-        t_logprob = time.perf_counter() - t0
+        metrics = await run_step(self, self.step_inputs, rollout.trajectories, step, rollout.seconds)
+        metrics.update(straggler_metrics(rollout.finish_s))
+        metrics.update(rollout.sampling)
+        metrics.update(self.router.stats.take())
+        metrics.update({"time/reward_s": rollout.reward_s, "ranks": float(self.ranks.world),
+                        "replicas_ready": float(sum(r.ready for r in self.pool.replicas))})
+        return metrics
+
+    # -- the Placement a step uses: the policy sharded over the training ranks --------------------------------
+    async def logprobs(self, rows: Rows, which: Pass) -> torch.Tensor:
+        if which == "values":
+            raise ValueError("a critic does not run on Ray (check_supported refuses algo.advantage=gae)")
+        passes = plan_passes(torch.arange(rows.input_ids.shape[0]), rows.lengths, self.ranks.world,
+                             self.settings.micro_batch_tokens)
+        return await self.ranks.logprobs(self.ray.put(rows), passes, tuple(rows.input_ids.shape),
+                                         reference=which == "reference")
+
+    async def update(self, rows: Rows) -> dict[str, float]:
+        s, world = self.settings, self.ranks.world
         seq_mode = s.loss_agg != "token-mean"
-        minis = [plan_mini(mini, lengths, rows.loss_mask, world, s.micro_batch_tokens, seq_mode)
-                 for _ in range(s.epochs) for mini in mini_batches(len(all_rows), s.mini_batches, self.generator)]
+        minis = [plan_mini(mini, rows.lengths, rows.loss_mask, world, s.micro_batch_tokens, seq_mode)
+                 for _ in range(s.epochs)
+                 for mini in mini_batches(rows.input_ids.shape[0], s.mini_batches, self.generator)]
         plans = [[(m.normalizer, m.micro[r]) for m in minis] for r in range(world)]
-        t0 = time.perf_counter()
         results = await self.ranks.update(self.ray.put(rows), plans)
-        t_update = time.perf_counter() - t0
         for r in results:
             if "rows" in r:
                 rows.old_logprobs[r["rows"], :r["old_logprobs"].shape[1]] = r["old_logprobs"]
-        metrics = step_metrics(trajs, rows, rollout.seconds, [f.name for f in self.rewards], cfg.reward.accuracy_part)
-        metrics.update(merge_updates(results, world))
-        metrics.update(straggler_metrics(rollout.finish_s))
-        metrics.update(self.router.stats.take())
-        trained = float(rows.attention_mask.sum())
-        metrics.update({"time/rollout_s": rollout.seconds, "time/reward_s": rollout.reward_s,
-                        "time/logprob_s": t_logprob, "time/update_s": t_update,
-                        "throughput/train_tokens_per_s": trained / max(t_update + t_logprob, 1e-9),
-                        "ranks": float(world), "replicas_ready": float(sum(r.ready for r in self.pool.replicas))})
-        save_samples(self.out / "trajectories.jsonl", trajs, batch, rows, cfg.trainer.trajectories_per_step_saved,
-                     step + 1)
-        return metrics
+        return merge_updates(results, world)
 
     async def save(self, step: int, data_position: int) -> Path:
         paths = await self.ranks.all("save", str(self.out / "checkpoints"), step,

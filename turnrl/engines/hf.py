@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import numpy as np
 import torch
 
-from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.base import Capabilities, Completion, Delta, EngineError, Sampling
 from turnrl.engines.cpu_attention import use_decode_attention
 from turnrl.engines.prefix_cache import Entry, PrefixCache
-from turnrl.engines.worker import WorkerEngine
+from turnrl.engines.worker import Listener, WorkerEngine, stream_through
 
 
 @dataclass
@@ -38,6 +38,8 @@ class _Request:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     aborted: bool = False
+    version: int = 0               # the weights it was prefilled with (set by the worker)
+    listener: Listener | None = None   # `stream`: told each sampled token
 
 
 def resolve_device(device: str) -> torch.device:
@@ -46,9 +48,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices in hardware: a GPU, or a CPU with AVX512-BF16 or AMX. Elsewhere
+    (an AVX2 CPU) torch's bf16 GEMM is a scalar fallback, measured here 60x slower than float32."""
+    if device.type != "cpu":
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where the device computes it natively (`native_bf16`), float32 elsewhere."""
     if dtype == "auto":
-        return torch.bfloat16
+        return torch.bfloat16 if native_bf16(device) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
@@ -87,8 +98,13 @@ class HFEngine(WorkerEngine):
     """An in-process transformers engine; `generate` is safe to call from many coroutines at once."""
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
-                 gather_ms: float = 5.0, seed: int = 0, model: Any = None, prefix_cache_tokens: int = 32768):
+                 gather_ms: float = 5.0, seed: int = 0, model: Any = None, prefix_cache_tokens: int = 32768,
+                 max_len: int | None = None, partial_rollout: bool = False):
         from transformers import AutoModelForCausalLM
+
+        if max_len is not None and max_len < 2:
+            raise ValueError(f"engine.max_model_len must be at least 2, got {max_len}")
+        self.max_model_len = max_len   # prompt + completion; None: the model's own limit
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -99,17 +115,39 @@ class HFEngine(WorkerEngine):
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
+        self.partial_rollout = partial_rollout
+        self.capabilities = Capabilities(partial_rollout=True, streaming=True)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
-                      "busy_s": 0.0, "prefix_hit_tokens": 0}
+                      "busy_s": 0.0, "prefix_hit_tokens": 0, "interrupted": 0}
         self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and _plain_cache(model) else None
         self._start_worker("turnrl-hf-engine", seed)
 
     # -- public API ----------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        return await self._generate(prompt_ids, sampling)
+
+    async def stream(self, prompt_ids: list[int], sampling: Sampling) -> AsyncIterator[Delta | Completion]:
+        async for item in stream_through(lambda listener: self._generate(prompt_ids, sampling, listener)):
+            yield item
+
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling, listener: Listener | None = None
+                        ) -> Completion:
         self._check(prompt_ids, sampling)
+        if self.max_model_len is not None:
+            room = self.max_model_len - len(prompt_ids)
+            if room < 1:
+                raise EngineError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len "
+                                  f"{self.max_model_len} (raise engine.max_model_len)")
+            sampling = sampling.with_(max_tokens=min(sampling.max_tokens, room))
         gen = torch.Generator(device="cpu")
         gen.manual_seed(self._seed_for(sampling))
-        return await self._submit(lambda loop, future: _Request(list(prompt_ids), sampling, loop, future, gen))
+        return await self._submit(lambda loop, future: _Request(list(prompt_ids), sampling, loop, future, gen,
+                                                                listener=listener))
+
+    async def reset_prefix_cache(self) -> None:
+        with self._weights_lock:
+            if self.prefix is not None:
+                self.prefix.clear()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (between decode steps; the worker holds the same lock per step)."""
@@ -121,31 +159,16 @@ class HFEngine(WorkerEngine):
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
             if self.prefix is not None:
                 self.prefix.clear()  # KV computed under the old weights must not be reused
-        self.version = version
+            self.version = version   # with partial_rollout, the worker's next step interrupts older rows
 
     # -- worker --------------------------------------------------------------------------------------
-    def _take(self, limit: int, block: bool) -> list[_Request]:
-        with self._cv:
-            if block:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-        if block and self.gather_s > 0:
-            time.sleep(self.gather_s)  # let concurrent trajectories join the same prefill
-        with self._cv:
-            out = []
-            while self._pending and len(out) < limit:
-                req = self._pending.popleft()
-                if not req.aborted:
-                    out.append(req)
-            return out
-
     def _worker(self) -> None:
         torch.set_grad_enabled(False)
         batch: _Batch | None = None
         while not self._closed:
             try:
                 active = 0 if batch is None else len(batch.reqs)
-                fresh = self._take(self.max_batch_size - active, block=active == 0)
+                fresh = self._take(lambda taken, _: len(taken) < self.max_batch_size - active, block=active == 0)
                 if self._closed:
                     for req in fresh:  # taken from the queue but never started: fail them, don't leave them hanging
                         self._resolve(req, exc=EngineError("engine closed"))
@@ -186,6 +209,8 @@ class HFEngine(WorkerEngine):
         row_of = {u: j for j, u in enumerate(computed + exact)}
         batch.take([row_of[u] for u in which])
         batch.reqs = reqs
+        for req in reqs:
+            req.version = self.version
         self.stats["requests"] += len(reqs)
         self.stats["prefix_hit_tokens"] += sum(hits[u][1] for u in which)
         self._append_samples(batch, batch.logits)
@@ -237,19 +262,24 @@ class HFEngine(WorkerEngine):
         for req, tok, lp in zip(batch.reqs, tokens.tolist(), logps.tolist()):
             req.out.append(tok)
             req.logprobs.append(lp)
+            if req.listener is not None:
+                req.listener([tok], [lp])
         self.stats["generated_tokens"] += len(batch.reqs)
 
     def _finish_rows(self, batch: "_Batch") -> "_Batch | None":
         keep = []
         for i, req in enumerate(batch.reqs):
             if req.aborted:
-                self._resolve(req, Completion(req.out, req.logprobs, "abort"))
+                self._resolve(req, Completion(req.out, req.logprobs, "abort", req.version))
             elif req.out and req.out[-1] in req.sampling.stop_token_ids:
                 self._remember(batch, i, req)
-                self._resolve(req, Completion(req.out, req.logprobs, "stop"))
+                self._resolve(req, Completion(req.out, req.logprobs, "stop", req.version))
             elif len(req.out) >= req.sampling.max_tokens:
                 self._remember(batch, i, req)
-                self._resolve(req, Completion(req.out, req.logprobs, "length"))
+                self._resolve(req, Completion(req.out, req.logprobs, "length", req.version))
+            elif self.partial_rollout and req.version != self.version:   # new weights: resumed by the caller
+                self.stats["interrupted"] += 1
+                self._resolve(req, Completion(req.out, req.logprobs, "interrupted", req.version))
             else:
                 keep.append(i)
         if not keep:

@@ -36,14 +36,16 @@ import os
 import queue
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
-from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.base import Capabilities, Completion, Delta, EngineBase, EngineError, Sampling
+from turnrl.engines.hf import native_bf16
 from turnrl.engines.vllm_weights import WeightLoader, write_adapter
+from turnrl.engines.worker import stream_through
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -64,6 +66,11 @@ class _Request:
     prompt: list[int]
     params: Any
     lora: Any = None
+    version: int = 0                     # the weights it runs on (set by the engine thread when it is added)
+    ids: list[int] = field(default_factory=list)         # incremental: the tokens so far (DELTA outputs)
+    logprobs: list[float] = field(default_factory=list)
+    listener: Any = None                 # `stream`: told each step's tokens
+    incremental: bool = False            # reads DELTA outputs (partial rollouts, streaming)
 
 
 @dataclass
@@ -73,13 +80,14 @@ class _Adapter:
     version: int
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """vLLM in this process; `generate` is safe to call from many coroutines of one event loop at once."""
 
     def __init__(self, model_path: str, dtype: str = "auto", max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.5, tensor_parallel_size: int = 1, enforce_eager: bool = True,
                  enable_prefix_caching: bool = True, cpu_kv_cache_gb: float = 2.0, seed: int = 0,
-                 max_lora_rank: int = 0, enable_sleep_mode: bool = False, max_num_seqs: int = 0):
+                 max_lora_rank: int = 0, enable_sleep_mode: bool = False, max_num_seqs: int = 0,
+                 partial_rollout: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"vllm engine dtype must be one of {DTYPES}, got {dtype!r}")
         if tensor_parallel_size != 1:
@@ -94,6 +102,8 @@ class VLLMEngine:
         vllm = import_vllm()
         from vllm.platforms import current_platform
         self.on_cpu = current_platform.is_cpu()
+        if dtype == "auto" and self.on_cpu and not native_bf16(torch.device("cpu")):
+            dtype = "float32"   # vLLM-CPU's bf16 on an AVX2-only CPU: 12 vs 44 tok/s in float32, measured here
         if enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError(f"vLLM sleep mode needs a CUDA/ROCm GPU; this vLLM runs on "
                              f"{current_platform.device_type}: set engine.enable_sleep_mode=false")
@@ -101,7 +111,7 @@ class VLLMEngine:
         self.seed = seed
         self.version = 0
         self.in_flight = 0                 # requests submitted and not yet answered (for progress)
-        self.truncated_sampling = False    # top-p/top-k logprobs would not be the full distribution's
+        self.max_model_len = max_model_len  # the agent loop's context never passes it
         self.vllm_version = vllm.__version__
         args: dict[str, Any] = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
@@ -120,10 +130,14 @@ class VLLMEngine:
             args["gpu_memory_utilization"] = gpu_memory_utilization
         if max_lora_rank:
             args.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2)
-        self.lora_enabled = bool(max_lora_rank)
-        self.sleep_enabled = enable_sleep_mode
+        # top-p/top-k logprobs would not be the full distribution's
+        self.capabilities = Capabilities(truncated_sampling=False, lora_adapters=bool(max_lora_rank),
+                                         sleep=enable_sleep_mode, partial_rollout=True, streaming=True)
+        # partial rollouts read each step's new tokens (DELTA outputs), so an interrupted request returns them
+        self.partial_rollout = partial_rollout
+        self._lora: Any = None             # the adapter new requests use (set on the engine thread)
         self.stats = {"requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0,
-                      "aborted": 0, "weight_updates": 0, "lora_updates": 0}
+                      "aborted": 0, "weight_updates": 0, "lora_updates": 0, "interrupted": 0}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -152,10 +166,17 @@ class VLLMEngine:
                    enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
                    cpu_kv_cache_gb=cfg.cpu_kv_cache_gb, seed=cfg.seed,
                    max_lora_rank=cfg.max_lora_rank, enable_sleep_mode=cfg.enable_sleep_mode,
-                   max_num_seqs=cfg.max_num_seqs)
+                   max_num_seqs=cfg.max_num_seqs, partial_rollout=cfg.partial_rollout)
 
     # -- public API ----------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        return await self._generate(prompt_ids, sampling)
+
+    async def stream(self, prompt_ids: list[int], sampling: Sampling) -> AsyncIterator[Delta | Completion]:
+        async for item in stream_through(lambda listener: self._generate(prompt_ids, sampling, listener)):
+            yield item
+
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling, listener: Any = None) -> Completion:
         if self._closed or self._dead is not None:
             raise EngineError("engine is closed" if self._closed else f"vllm engine died: {self._dead}")
         if not prompt_ids:
@@ -171,10 +192,11 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature, seed=seed,
                                 logprobs=0, stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True,
                                 detokenize=False, skip_special_tokens=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.DELTA if self.partial_rollout or listener
+                                else RequestOutputKind.FINAL_ONLY)
         loop = asyncio.get_running_loop()
-        req = _Request(f"turnrl-{n}", loop, loop.create_future(), list(prompt_ids), params,
-                       self._adapters[-1].request if self._adapters else None)
+        req = _Request(f"turnrl-{n}", loop, loop.create_future(), list(prompt_ids), params, listener=listener,
+                       incremental=self.partial_rollout or listener is not None)
         self._inbox.put(("add", req))
         self.in_flight += 1
         try:
@@ -187,22 +209,30 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load (name, tensor) pairs under the HF model's names in place, then drop the prefix cache."""
-        await self._call(lambda engine: self._weights.load(engine, named_tensors))
-        self.version = version
+        def load(engine: Any) -> None:
+            self._weights.load(engine, named_tensors)
+            self._new_version(engine, version)
+        await self._call(load)
         self.stats["weight_updates"] += 1
 
     async def update_lora(self, adapter_tensors: dict[str, torch.Tensor], peft_config: dict[str, Any],
                           version: int) -> None:
         """Use this peft adapter (its `lora_A`/`lora_B` tensors and `LoraConfig` as a dict) from now on."""
-        if not self.lora_enabled:
+        if not self.capabilities.lora_adapters:
             raise EngineError("this vllm engine was started without LoRA slots: set engine.max_lora_rank to at "
                               "least model.lora.rank")
         from vllm.lora.request import LoRARequest
         directory = write_adapter(adapter_tensors, peft_config)
         lora_id = next(self._lora_ids)
         request = LoRARequest(lora_name=f"turnrl-v{version}-{lora_id}", lora_int_id=lora_id, lora_path=str(directory))
+        def add(engine: Any) -> bool:
+            if not engine.add_lora(request):
+                return False
+            self._lora = request
+            self._new_version(engine, version)
+            return True
         try:
-            loaded = await self._call(lambda engine: engine.add_lora(request))
+            loaded = await self._call(add)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -214,13 +244,12 @@ class VLLMEngine:
         for old in self._adapters[:-2]:
             shutil.rmtree(old.directory, ignore_errors=True)
         self._adapters = self._adapters[-2:]
-        self.version = version
         self.stats["lora_updates"] += 1
 
     async def sleep(self, level: int = 1) -> None:
         """Free GPU memory: level 1 offloads the weights to host memory, level 2 discards them (send new
         weights with `update_weights` after `wake_up`). Requests in flight finish with 'abort'."""
-        if not self.sleep_enabled:
+        if not self.capabilities.sleep:
             raise EngineError("sleep mode is off: start the engine with engine.enable_sleep_mode=true (needs a "
                               "CUDA/ROCm GPU; vLLM's CPU build has no sleep mode)")
         if level not in (1, 2):
@@ -228,7 +257,7 @@ class VLLMEngine:
         await self._call(lambda engine: (self._abort_all(engine), engine.sleep(level)))
 
     async def wake_up(self) -> None:
-        if not self.sleep_enabled:
+        if not self.capabilities.sleep:
             raise EngineError("sleep mode is off: start the engine with engine.enable_sleep_mode=true")
         await self._call(lambda engine: engine.wake_up())
 
@@ -328,6 +357,7 @@ class VLLMEngine:
                 self._fail_all(EngineError(f"vllm engine step failed: {type(exc).__name__}: {exc}"))
                 return
             for out in outputs:
+                self._extend(out)
                 if out.finished:
                     self._finish(out)
             if not outputs and not engine.has_unfinished_requests():  # never spin on requests vLLM let go
@@ -339,6 +369,7 @@ class VLLMEngine:
         from vllm.inputs import tokens_input
         if req.future.cancelled():
             return
+        req.lora, req.version = self._lora, self.version
         try:
             engine.add_request(req.rid, tokens_input(req.prompt), req.params, lora_request=req.lora)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
@@ -357,12 +388,32 @@ class VLLMEngine:
         if reason is None:
             _resolve(req.loop, req.future, exc=EngineError(f"vllm finished the request with {c.finish_reason!r}"))
             return
-        ids = list(c.token_ids)
-        logprobs = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids)]
-        assert len(logprobs) == len(ids), "vllm returned fewer logprobs than tokens"
+        ids, logprobs = (req.ids, req.logprobs) if req.incremental else _sampled(c)
         self.stats["generated_tokens"] += len(ids)
         self.stats["cached_prompt_tokens"] += out.num_cached_tokens or 0
-        _resolve(req.loop, req.future, Completion(ids, logprobs, reason))
+        _resolve(req.loop, req.future, Completion(ids, logprobs, reason, req.version))
+
+    def _extend(self, out: Any) -> None:
+        req = self._live.get(out.request_id)
+        if req is not None and req.incremental:
+            ids, logprobs = _sampled(out.outputs[0])
+            req.ids += ids
+            req.logprobs += logprobs
+            if req.listener is not None and ids:
+                req.listener(ids, logprobs)
+
+    def _new_version(self, engine: Any, version: int) -> None:
+        """On the engine thread, after new weights: later requests run on `version`; with partial rollouts,
+        the running ones are aborted in vLLM and returned with their tokens so far ("interrupted")."""
+        self.version = version
+        if not self.partial_rollout or not self._live:
+            return
+        engine.abort_request(list(self._live))
+        for req in self._live.values():
+            self.stats["generated_tokens"] += len(req.ids)
+            _resolve(req.loop, req.future, Completion(req.ids, req.logprobs, "interrupted", req.version))
+        self.stats["interrupted"] += len(self._live)
+        self._live.clear()
 
     def _abort_all(self, engine: Any) -> None:
         if self._live:
@@ -385,6 +436,14 @@ class VLLMEngine:
                 _resolve(payload.loop, payload.future, exc=exc)
             elif kind == "call":
                 _resolve(payload[1], payload[2], exc=exc)
+
+
+def _sampled(c: Any) -> tuple[list[int], list[float]]:
+    """The token ids and their logprobs in one vLLM CompletionOutput (all of them, or a step's with DELTA)."""
+    ids = list(c.token_ids)
+    logprobs = [step[tok].logprob for step, tok in zip(c.logprobs or [], ids)]
+    assert len(logprobs) == len(ids), "vllm returned fewer logprobs than tokens"
+    return ids, logprobs
 
 
 def _global_rng_state() -> tuple[Any, Any, torch.Tensor]:

@@ -9,13 +9,37 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.base import Completion, Delta, EngineBase, EngineError, Sampling
+
+Listener = Callable[[list[int], list[float]], None]   # called from the worker thread with each step's tokens
 
 
-class WorkerEngine:
+async def stream_through(start: Callable[[Listener], Awaitable[Completion]]) -> AsyncIterator[Delta | Completion]:
+    """`Engine.stream` for engines whose worker thread reports tokens to a listener: run `start(listener)`, yield
+    what the listener gets as `Delta`s, then the `Completion`. Tokens and the answer are both handed over with
+    `call_soon_threadsafe`, in order, so every delta comes before the end. Leaving the iteration early cancels
+    the request (the engine aborts it)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+
+    def listener(ids: list[int], logprobs: list[float]) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, Delta(ids, logprobs))
+    task = asyncio.ensure_future(start(listener))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (item := await queue.get()) is not None:
+            yield item
+        yield task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class WorkerEngine(EngineBase):
     join_timeout_s = 5.0   # how long `close` waits for the worker thread
 
     def _start_worker(self, name: str, seed: int) -> None:
@@ -61,6 +85,33 @@ class WorkerEngine:
             raise
         finally:
             self.in_flight -= 1
+
+    def _take(self, fits: Callable[[list[Any], Any], bool | None], block: bool) -> list[Any]:
+        """The next requests to start: wait for one (when `block`), give concurrent trajectories `gather_s` to
+        join the same prefill, then take pending requests in order while `fits(taken, request)`; a None from
+        `fits` leaves that request queued (in its place) and goes on; aborted requests are dropped on the way."""
+        with self._cv:
+            if block:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+        if block and self.gather_s > 0:
+            time.sleep(self.gather_s)
+        with self._cv:
+            out: list[Any] = []
+            waiting: list[Any] = []
+            while self._pending:
+                if self._pending[0].aborted:
+                    self._pending.popleft()
+                    continue
+                verdict = fits(out, self._pending[0])
+                if verdict is None:
+                    waiting.append(self._pending.popleft())
+                    continue
+                if not verdict:
+                    break
+                out.append(self._pending.popleft())
+            self._pending.extendleft(reversed(waiting))
+            return out
 
     async def close(self) -> None:
         with self._cv:

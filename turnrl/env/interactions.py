@@ -1,7 +1,10 @@
 """Interactions: simulated users and environments that answer the policy's turns.
 
 Protocol (sync or async methods): `start(**row_kwargs)` once per trajectory, `respond(messages) -> Reply`
-after every assistant turn without tool calls, `finish() -> final reward or None` once at the end. One
+after every assistant turn without tool calls, `finish() -> final reward or None` (or {"score", **parts})
+once at the end. An interaction with `takes_tool_calls = True` (an environment that runs its own tools) also
+answers the turns with tool calls: the last message then carries OpenAI `tool_calls`, and the Reply's
+`messages` (tool results, user turns) are appended instead of `text`. One
 instance per trajectory: nothing is shared between concurrent samples. A row picks its interaction by name
 (`interaction: {name: ..., ...kwargs}`); the rest of that mapping goes to `start`.
 """
@@ -18,6 +21,8 @@ class Reply:
     done: bool = False
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None   # tool/user messages to append instead of a user `text`
+    errors: list[str] = field(default_factory=list)  # environment failures behind this reply (masked)
 
 
 @runtime_checkable

@@ -1,7 +1,8 @@
 """Turn config names into tool and interaction factories.
 
-A name is a built-in (`calculator`), `package.module:Name`, `package.module.Name`, or `path/to/file.py:Name`.
-Only what a config names is imported. A factory builds a fresh instance per trajectory.
+A name is a built-in (`calculator`), `package.module:Name`, `package.module.Name`, or `path/to/file.py:Name`;
+`mcp` brings every tool of an MCP server (turnrl/env/mcp_tools.py). Only what a config names is imported.
+A factory builds a fresh instance per trajectory.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ BUILTIN_INTERACTIONS = {
     "math_feedback": "turnrl.env.builtin.feedback:MathFeedback",
     "guess_number": "turnrl.env.builtin.guess:GuessNumberUser",
     "llm_user": "turnrl.env.builtin.llm_user:LLMUser",
-}
+}   # integrations above this layer add theirs (turnrl.compat adds "verifiers")
 
 
 def import_object(name: str) -> Any:
@@ -73,13 +74,38 @@ def _resolve(name: str, builtins: dict[str, str], what: str) -> Any:
     return import_object(builtins.get(name, name))
 
 
+# Adapters for classes written against another framework's interfaces, registered from outside env by
+# `turnrl.compat` (verl's BaseTool / BaseInteraction): each takes (class, spec) and returns what `tool_factory`
+# (`interaction_factory`) would, or None when the class is not of its kind.
+ToolAdapter = Callable[[type, ToolSpec], "tuple[str, Callable[[], Tool]] | None"]
+InteractionAdapter = Callable[[type, InteractionSpec], "Callable[[], Any] | None"]
+TOOL_ADAPTERS: list[ToolAdapter] = []
+INTERACTION_ADAPTERS: list[InteractionAdapter] = []
+# `class_name`s that stand for a whole set of tools: (config, where) -> [(name, factory)]; integrations above
+# this layer register theirs (turnrl.compat registers "verifiers").
+TOOL_SOURCES: dict[str, Callable[[dict[str, Any], str], list[tuple[str, Callable[[], Tool]]]]] = {}
+
+
+def tool_factories(spec: ToolSpec, where: str = "tools") -> list[tuple[str, Callable[[], Tool]]]:
+    """(tool name, factory) for each tool a spec brings: one, or every tool an MCP server lists."""
+    if spec.class_name == "mcp":
+        if spec.tool_schema is not None:
+            raise ConfigError(f"{where}: an mcp tool's schemas come from the server: drop 'tool_schema'.")
+        from turnrl.env.mcp_tools import mcp_tool_factories  # the mcp SDK, only when a config names it
+        return mcp_tool_factories(spec.config, where)
+    if spec.class_name in TOOL_SOURCES:
+        return TOOL_SOURCES[spec.class_name](spec.config, where)
+    return [tool_factory(spec)]
+
+
 def tool_factory(spec: ToolSpec) -> tuple[str, Callable[[], Tool]]:
     """(tool name, factory) for one tool spec."""
     target = _resolve(spec.class_name, BUILTIN_TOOLS, "tool")
     if inspect.isclass(target):
-        from turnrl.compat.verl import is_verl_tool, verl_tool_factory
-        if is_verl_tool(target):
-            return verl_tool_factory(target, spec)
+        for adapt in TOOL_ADAPTERS:
+            adapted = adapt(target, spec)
+            if adapted is not None:
+                return adapted
 
         def make() -> Tool:
             tool = target(**spec.config)
@@ -125,9 +151,10 @@ def interaction_factory(spec: InteractionSpec) -> Callable[[], Any]:
     target = _resolve(spec.class_name, BUILTIN_INTERACTIONS, "interaction")
     if not inspect.isclass(target):
         raise ConfigError(f"interaction '{spec.name}': '{spec.class_name}' is not a class.")
-    from turnrl.compat.verl import is_verl_interaction, verl_interaction_factory
-    if is_verl_interaction(target):
-        return verl_interaction_factory(target, spec)
+    for adapt in INTERACTION_ADAPTERS:
+        adapted = adapt(target, spec)
+        if adapted is not None:
+            return adapted
     return lambda: target(**spec.config)
 
 

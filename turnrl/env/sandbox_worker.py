@@ -214,6 +214,19 @@ def run_child(code: str, s: dict, work: str, out: int) -> None:
         os._exit(status & 0xFF)
 
 
+def empty(root: str) -> None:
+    """Remove everything under `root` (code may write beside its own directory, e.g. /work/x, or fill the tmpfs)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def run_snippet(code: str, s: dict, work: str, pid_one: bool) -> dict:
     os.mkdir(work, 0o700)
     r, w = os.pipe()
@@ -264,7 +277,7 @@ def run_snippet(code: str, s: dict, work: str, pid_one: bool) -> dict:
         except ChildProcessError:
             break
     os.close(r)
-    shutil.rmtree(work, ignore_errors=True)
+    empty(os.path.dirname(work))   # all of /work, not only this call's directory: nothing reaches the next call
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     return {"output": b"".join(kept).decode("utf-8", "replace"), "exit": os.WEXITSTATUS(status) if sig is None else None,
             "signal": signal.Signals(sig).name if sig else None, "timed_out": timed_out, "truncated": total > limit,

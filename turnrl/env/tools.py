@@ -6,9 +6,10 @@ Lifecycle (each trajectory gets its own tool instances, so no state leaks betwee
 without `create`, `reward` or `release` skips that step. Methods may be sync or async; sync ones run in a
 worker thread so a slow tool never blocks the agent loop.
 
-A tool's `execute` may return a `ToolOutput`, a string, or verl's `(text, step_reward, metrics)` tuple.
-Failures are data: a tool that raises or runs past its timeout yields an error result (blamed on the
-environment, which masks the trajectory out of the loss); a call with an unknown name or arguments that do
+A tool's `execute` may return a `ToolOutput`, a string, a number, or verl's `(text, step_reward, metrics)`
+tuple; anything else (`None` from a forgotten `return`, a list, an object) is the tool's error.
+Failures are data: a tool that raises (any BaseException: `SystemExit` from an argparse CLI too) or runs past
+its timeout yields an error result (blamed on the environment, which masks the trajectory out of the loss); a call with an unknown name or arguments that do
 not match the schema yields an error result blamed on the policy (it stays in the loss, so the policy can
 learn to call tools correctly). Either way the error text can be returned to the model.
 """
@@ -20,8 +21,8 @@ import functools
 import inspect
 import math
 import re
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -52,17 +53,73 @@ async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-# Sync tool calls get their own, wide thread pool: asyncio's default one has cpu_count + 4 threads, and with
-# hundreds of trajectories in flight a call would wait there for a thread while its timeout runs.
-_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="turnrl-tool")
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """`fn()` in a thread of its own, as a future of the running loop.
+
+    Not a thread pool: a pool's threads are joined when the interpreter exits, so one tool blocked for good (a
+    dead socket read) kept the process alive after the run's summary. A daemon thread is abandoned at exit; its
+    call has already timed out and been recorded. A thread per call also means no call waits for a free worker
+    while its timeout runs (asyncio's default pool has cpu_count + 4 threads)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            value, failed = fn(), False
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            value, failed = (exc if not isinstance(exc, StopIteration) else RuntimeError(repr(exc))), True
+
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(value) if failed else future.set_result(value)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits for this call any more
+    threading.Thread(target=run, name="turnrl-tool", daemon=True).start()
+    return future
+
+
+class Raised(Exception):
+    """A user callable raised a BaseException that is not an Exception (`SystemExit` from an argparse CLI on bad
+    arguments, `KeyboardInterrupt`, a custom one). Let through, asyncio re-raises it out of the event loop and the
+    whole run dies; it is the callable's failure, so it becomes an ordinary exception. `original` is what it raised.
+    """
+
+    def __init__(self, original: BaseException):
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+def _contained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see Raised; in a worker thread, so never our own Ctrl-C
+        raise Raised(exc) from exc
+
+
+async def _awaited(value: Any) -> Any:
+    try:
+        return await maybe_await(value)
+    except (Exception, asyncio.CancelledError, GeneratorExit):
+        raise  # cancellation (a timeout, shutdown) is ours, not the callable's
+    except BaseException as exc:  # noqa: BLE001
+        raise Raised(exc) from exc
+
+
+def described(exc: BaseException) -> str:
+    """'Type: message' of what a user callable raised (through `Raised`, the original)."""
+    original = exc.original if isinstance(exc, Raised) else exc
+    return f"{type(original).__name__}: {original}"
 
 
 async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run a sync or async callable without blocking the event loop."""
+    """Run a sync or async callable without blocking the event loop; a BaseException it raises becomes `Raised`."""
     if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    loop = asyncio.get_running_loop()
-    return await maybe_await(await loop.run_in_executor(_THREADS, functools.partial(fn, *args, **kwargs)))
+        return await _awaited(fn(*args, **kwargs))
+    return await _awaited(await _in_daemon_thread(functools.partial(_contained, fn, *args, **kwargs)))
 
 
 def _param_docs(doc: str) -> dict[str, str]:
@@ -189,10 +246,15 @@ def _normalize(output: Any) -> ToolOutput:
                           dict(metrics or {}))
     if isinstance(output, (str, bytes, bytearray)):
         return ToolOutput(as_text(output))
-    if output is None:
-        return ToolOutput("")
-    text = getattr(output, "text", None)
-    return ToolOutput(as_text(text if text is not None else output))
+    if isinstance(output, (int, float)) and not isinstance(output, bool):   # `def add(a, b): return a + b`
+        return ToolOutput(str(output))
+    text = getattr(output, "text", None)   # verl's ToolResponse and its look-alikes
+    if isinstance(text, (str, bytes, bytearray)):
+        return ToolOutput(as_text(text))
+    # None (a forgotten `return`) or any other object would reach the model as "None" or a repr, and count as a
+    # successful call: the tool is broken, so it is the tool's error.
+    raise TypeError(f"a tool must return text (a str, a number, a ToolOutput or verl's (text, reward, "
+                    f"metrics)), got {type(output).__name__}")
 
 
 class ToolSession:
@@ -224,22 +286,22 @@ class ToolSession:
             except asyncio.TimeoutError:
                 self.create_errors[name] = f"create() timed out after {self.timeout_s:g}s"
             except Exception as exc:  # noqa: BLE001 - recorded, the tool then answers with the error
-                self.create_errors[name] = f"{type(exc).__name__}: {exc}"
+                self.create_errors[name] = described(exc)
 
     async def execute_all(self, calls: list[ToolCall]) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._execute(c) for c in calls)))
 
     async def _execute(self, tc: ToolCall) -> ToolResult:
         if tc.error:
-            return ToolResult(tc.name, f"Error: {tc.error}", tc.id, error=tc.error, blame="policy")
+            return ToolResult(tc.name, f"Error: {tc.error}", tc.id, error=tc.error, blame="policy", kind="tool_parse")
         tool = self.tools.get(tc.name)
         if tool is None:
             known = ", ".join(self.tools) or "none"
             msg = f"unknown tool '{tc.name}'; available tools: {known}"
-            return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="policy")
+            return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="policy", kind="tool_parse")
         bad = check_arguments(tool.schema, tc.arguments or {})
         if bad:
-            return ToolResult(tc.name, f"Error: {bad}", tc.id, error=bad, blame="policy")
+            return ToolResult(tc.name, f"Error: {bad}", tc.id, error=bad, blame="policy", kind="tool_parse")
         if tc.name in self.create_errors:
             msg = f"tool failed to start: {self.create_errors[tc.name]}"
             return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment")
@@ -250,9 +312,10 @@ class ToolSession:
             except asyncio.TimeoutError:
                 msg = f"tool '{tc.name}' timed out after {self.timeout_s:g}s"
                 return ToolResult(tc.name, f"Error: {msg}", tc.id, error=msg, blame="environment",
+                                  kind="tool_timeout",
                                   seconds=time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001 - a crashing tool is data, not a crash
-                msg = f"tool '{tc.name}' raised {type(exc).__name__}: {exc}"
+                msg = f"tool '{tc.name}' raised {described(exc)}"
                 text, truncated = await self._truncate(f"Error: {msg}")  # an exception's text can be huge too
                 return ToolResult(tc.name, text, tc.id, error=msg, blame="environment", truncated=truncated,
                                   seconds=time.perf_counter() - start)
@@ -283,7 +346,7 @@ class ToolSession:
                 if value is not None:  # inside the try: a reward that is not a finite number is an error too
                     out[name] = finite_reward(value, "the final reward")
             except Exception as exc:  # noqa: BLE001
-                errors.append(f"{name}.reward() failed: {type(exc).__name__}: {exc}")
+                errors.append(f"{name}.reward() failed: {described(exc)}")
         return out, errors
 
     async def release(self) -> list[str]:
@@ -294,5 +357,5 @@ class ToolSession:
             try:
                 await asyncio.wait_for(call(tool.release), self.timeout_s)
             except Exception as exc:  # noqa: BLE001
-                errors.append(f"{name}.release() failed: {type(exc).__name__}: {exc}")
+                errors.append(f"{name}.release() failed: {described(exc)}")
         return errors

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from turnrl.engines.base import EngineError, Sampling
+from turnrl.engines import resume
+
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
 
@@ -247,8 +250,10 @@ class OpenAITransport:
             body["messages"] = [*messages, {"role": "assistant", "content": prefill}]
             body.update(continue_final_message=True, add_generation_prompt=False)
         try:
-            response = await self._client().post(self.url, json=body)
-        except httpx.TimeoutException:
+            # httpx's timeout bounds each read, not the request: a server sending a byte a second would hold
+            # the step for good. The whole request gets timeout_s.
+            response = await asyncio.wait_for(self._client().post(self.url, json=body), self.timeout_s)
+        except (httpx.TimeoutException, asyncio.TimeoutError):
             raise Retryable(f"timed out after {self.timeout_s:g}s") from None
         except httpx.TransportError as exc:  # refused, reset, DNS: the server may come back
             raise Retryable(f"{type(exc).__name__}: {exc or 'connection failed'}") from None
@@ -297,7 +302,6 @@ class EngineTransport:
 
     async def __call__(self, messages: list[dict[str, Any]], prefill: str, max_tokens: int,
                        temperature: float) -> ChatResult:
-        from turnrl.engines.base import EngineError, Sampling
         if self._built is None:  # loading a model blocks: not on the event loop's thread
             self._built = await asyncio.to_thread(self._engine)
         engine = self._built
@@ -305,7 +309,7 @@ class EngineTransport:
         sampling = Sampling(max_tokens=max_tokens, temperature=temperature,
                             stop_token_ids=tuple(self.template.stop_token_ids))
         try:
-            completion = await engine.generate(ids, sampling)
+            completion = (await resume.generate(engine, ids, sampling)).completion
         except EngineError as exc:
             raise LLMError(f"local engine: {exc}") from None
         out = completion.token_ids

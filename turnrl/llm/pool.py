@@ -15,10 +15,13 @@ import json
 import threading
 from typing import Any
 
+from turnrl.chat.templates import load_template
 from turnrl.config.loader import to_dict
 from turnrl.config.schema import EngineConfig, LLMConfig
 from turnrl.config.secrets import resolve_secret
+from turnrl.engines.factory import build_engine
 from turnrl.llm.client import EngineTransport, LLMClient, OpenAITransport, Retry, Usage
+from turnrl.models import resolve
 
 _clients: dict[tuple[str, str], LLMClient] = {}
 _engines: dict[tuple[str, str, str, str], Any] = {}
@@ -43,8 +46,6 @@ def _build(cfg: LLMConfig) -> LLMClient:
         transport: Any = OpenAITransport(cfg.base_url, cfg.model, key, cfg.timeout_s, cfg.extra_body)
         extra: Any = [cfg.base_url, cfg.extra_body]
     else:
-        from turnrl.models import resolve
-        from turnrl.rollout.factory import load_template
         model_dir = resolve(cfg.model)
         template = load_template(model_dir)
         engine_cfg = EngineConfig(kind=cfg.engine, device=cfg.device, dtype=cfg.dtype,
@@ -57,7 +58,6 @@ def _build(cfg: LLMConfig) -> LLMClient:
 
 def _engine(model_dir: str, cfg: EngineConfig) -> Any:
     """A frozen local engine, built on first use (blocking: callers run this in a thread)."""
-    from turnrl.rollout.factory import build_engine
     key = (model_dir, cfg.kind, cfg.device, cfg.dtype)
     with _engine_lock:
         engine = _engines.get(key)

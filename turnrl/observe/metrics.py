@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from turnrl.config.secrets import resolve_secret
+from turnrl.config.secrets import redact, resolve_secret
 from turnrl.observe.conversation import final_answer, prompt_text
 from turnrl.observe.progress import format_table
 
@@ -62,7 +62,7 @@ class JsonlSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._open(step)
         clean = {k: _finite(v) for k, v in metrics.items()}
-        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.file.write(redact(json.dumps({"step": step, **clean})) + "\n")
         self.file.flush()
 
     def log_table(self, step: int, name: str, rows: list[dict[str, Any]]) -> None:
@@ -70,7 +70,7 @@ class JsonlSink:
         if self.tables is None:
             self.tables = open(self.table_path, "a", encoding="utf-8")
         clean = [{k: _finite(v) for k, v in row.items()} for row in rows]
-        self.tables.write(json.dumps({"step": step, "name": name, "rows": clean}, ensure_ascii=False) + "\n")
+        self.tables.write(redact(json.dumps({"step": step, "name": name, "rows": clean}, ensure_ascii=False)) + "\n")
         self.tables.flush()
 
     def close(self) -> None:

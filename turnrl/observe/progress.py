@@ -5,7 +5,7 @@ every `every_s` seconds, so CI logs stay short; mode "off" prints nothing. A bac
 display between completions, because a slow batch can go a long time without one while turns are still
 being generated. Turns in flight come from a callable the caller passes (e.g. the number of requests its
 engine is serving); tokens from `update(tokens=...)`. The ETA assumes the remaining trajectories finish at
-the rate the finished ones did.
+the rate the finished ones did. `close` prints the final count on a line of its own.
 """
 
 from __future__ import annotations
@@ -91,11 +91,14 @@ class Progress:
                     self._line(force=False)
 
     def close(self) -> None:
+        """Stop the display and print the final count (the last periodic line can be far behind it)."""
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
         if self.bar is not None:
             self.bar.close()
+        with self._lock:
+            self._line(force=True)
 
 
 def _duration(seconds: float) -> str:

@@ -38,11 +38,12 @@ from turnrl.engines.base import Engine
 from turnrl.env.interactions import last_assistant_text
 from turnrl.ledger import Source, Trajectory
 from turnrl.llm.client import Usage
+from turnrl.llm.pool import client
 from turnrl.rewards.functions import RewardError
 from turnrl.rewards.judge import COMPUTED_METRICS, JUDGED_METRICS, Judge, JudgeError, Verdict, load_rubric
 from turnrl.rewards.measures import bleu, pass_rate, tests_of
 from turnrl.rollout.factory import build_loop
-from turnrl.rollout.loop import AgentLoop, Environment
+from turnrl.rollout.loop import AgentLoop, Environment, rollout_seed
 
 
 @dataclass
@@ -56,7 +57,7 @@ class RolloutContext:
 
     def loop(self, max_turns: int, policy_version: int) -> AgentLoop:
         cfg = dataclasses.replace(self.rollout, max_assistant_turns=max_turns, max_user_turns=max_turns)
-        return build_loop(cfg, self.engine, self.template, self.env, self.seed * 1_000_003 + policy_version,
+        return build_loop(cfg, self.engine, self.template, self.env, rollout_seed(self.seed, policy_version),
                           policy_version=policy_version)
 
 
@@ -68,18 +69,16 @@ class Conversation:
 
 
 class ConversationReward:
-    """The `judge` reward function: call it on a finished trajectory; `bind` gives it the policy for futures."""
+    """The `judge` reward function: call it on a finished trajectory. `context`: the policy futures are sampled
+    from (needed with num_repeat_rollouts > 0)."""
 
     def __init__(self, weights: dict[str, float], judge: Judge | None = None, num_repeat_rollouts: int = 0,
-                 max_future_turns: int = 2, pass_timeout_s: float = 10.0):
+                 max_future_turns: int = 2, pass_timeout_s: float = 10.0, context: RolloutContext | None = None):
         self.weights = weights
         self.judge = judge
         self.num_repeat_rollouts = num_repeat_rollouts
         self.max_future_turns = max_future_turns
         self.pass_timeout_s = pass_timeout_s
-        self.context: RolloutContext | None = None
-
-    def bind(self, context: RolloutContext) -> None:
         self.context = context
 
     async def __call__(self, traj: Trajectory) -> dict[str, float]:
@@ -141,7 +140,7 @@ class ConversationReward:
             return itself, 0, 0
         if self.context is None:
             raise RewardError("judge", "num_repeat_rollouts > 0 needs the policy's engine to sample futures, and "
-                                       "this reward was not given one (bind_rollout): here, set num_repeat_rollouts=0")
+                                       "this reward was built without one (context=None): here, set num_repeat_rollouts=0")
         task = Task(uid=f"{traj.group_id}~{traj.sample_index}~future", tools=[], interaction=dict(interaction),
                     messages=[*traj.messages, {"role": "user", "content": last.user_reply}],
                     ground_truth=traj.info.get("ground_truth"), data_source=str(traj.info.get("data_source", "")),
@@ -160,13 +159,13 @@ class ConversationReward:
                 len(futures), len(futures) - len(good))
 
 
-def conversation_reward(cfg: JudgeConfig) -> ConversationReward:
-    """The reward a `reward.judge` section describes (its LLM client is shared through turnrl.llm.pool)."""
-    from turnrl.llm.pool import client
+def conversation_reward(cfg: JudgeConfig, context: RolloutContext | None = None) -> ConversationReward:
+    """The reward a `reward.judge` section describes (its LLM client is shared through turnrl.llm.pool);
+    `context`: the policy that samples CollabLLM futures."""
     judged = {m: JUDGED_METRICS.get(m) or cfg.metrics[m] for m in cfg.metric_weights if m not in COMPUTED_METRICS}
     judge = None
     if judged:
         judge = Judge(client(cfg.llm, "judge"), judged, load_rubric(cfg.rubric), cfg.json_prefill, cfg.parse_retries,
                       cfg.max_conversation_chars)
     return ConversationReward(dict(cfg.metric_weights), judge, cfg.num_repeat_rollouts, cfg.max_future_turns,
-                              cfg.pass_timeout_s)
+                              cfg.pass_timeout_s, context)

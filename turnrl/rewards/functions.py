@@ -5,8 +5,8 @@ metrics. Functions written for verl (`compute_score(data_source, solution_str, g
 are recognised by their parameter names and called that way, with `solution_str` = the last assistant
 message. Sync or async. A function that raises or returns something else is recorded as a reward error on
 that trajectory (masked out of the loss), never a silent zero; one that raises `RewardError` names the
-error's kind itself (e.g. `judge`) and keeps what the attempt cost. A function object with a `bind(context)`
-method gets the policy's rollout context (`bind_rollout`), e.g. the LLM judge's CollabLLM futures.
+error's kind itself (e.g. `judge`) and keeps what the attempt cost. A reward that samples from the policy (the
+LLM judge's CollabLLM futures) gets it at construction (`turnrl.rewards.build`).
 `reward.function_kwargs` gives a function fixed keyword arguments (verl's `custom_reward_function.reward_kwargs`).
 """
 
@@ -21,15 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from turnrl.config.loader import ConfigError
+from turnrl.env.interactions import last_assistant_text
+from turnrl.env.loading import import_object
 from turnrl.ledger import Trajectory
 from turnrl.rewards.answers import extract_answer, same_number
 
 
 def final_text(traj: Trajectory) -> str:
-    for m in reversed(traj.messages):
-        if m.get("role") == "assistant":
-            return str(m.get("content") or "")
-    return ""
+    return last_assistant_text(traj.messages)
 
 
 def exact_answer(traj: Trajectory) -> float:
@@ -104,7 +103,6 @@ class RewardFunction:
 
 
 def load_reward_function(name: str, weight: float = 1.0, kwargs: dict[str, Any] | None = None) -> RewardFunction:
-    from turnrl.env.loading import import_object
     if name not in BUILTIN and ":" not in name and "." not in name:
         raise ConfigError(f"unknown reward function '{name}': built-ins are {', '.join(BUILTIN)}; "
                          "or give path.py:function or module:function")
@@ -169,14 +167,6 @@ async def score_trajectory(traj: Trajectory, functions: list[RewardFunction], us
     if step_user:
         traj.reward_parts["step:interaction"] = step_user
     traj.reward = total
-
-
-def bind_rollout(functions: list[RewardFunction], context: Any) -> None:
-    """Give reward functions that roll out (a `bind(context)` method, e.g. CollabLLM futures) the policy."""
-    for rf in functions:
-        bind = getattr(rf.fn, "bind", None)
-        if callable(bind):
-            bind(context)
 
 
 async def score_all(trajectories: list[Trajectory], functions: list[RewardFunction], use_tool_rewards: bool = True,

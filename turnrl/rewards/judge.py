@@ -22,23 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from turnrl.config.loader import ConfigError
+from turnrl.config.schema import COMPUTED_METRICS, JUDGED_METRICS  # noqa: F401 (the judge's metric tables)
 from turnrl.llm.client import ChatResult, LLMClient, LLMError, Usage, json_objects
-
-JUDGED_METRICS = {
-    "accuracy": "is the assistant's final answer or deliverable correct, and does it meet the user's goal "
-                "(compare with the reference answer when there is one)? 1 = fully correct, 0 = wrong or missing.",
-    "interactivity": "did the assistant engage with the user: ask about what was missing or ambiguous, use "
-                     "the user's answers, stay on the user's goal, keep replies short and clear? "
-                     "1 = very engaging and helpful, 0 = ignored the user.",
-}
-COMPUTED_METRICS = {
-    "token_amount": "tokens the policy wrote in the conversation (prompt excluded): weight it negatively "
-                    "to ask for brevity, e.g. -0.0005.",
-    "bleu": "BLEU-4 (smoothed) of the final assistant message against the row's ground truth text, 0..1.",
-    "pass_rate": "share of the row's tests (extra.tests, else ground_truth) that the last code block of the "
-                 "final assistant message passes, run in a Python subprocess. Not a sandbox: use only "
-                 "on machines where running model-written code is acceptable.",
-}
 
 SYSTEM = ("You are an impartial evaluator. You read a conversation between a user and an AI assistant and rate "
           "the assistant. You answer with one JSON object and nothing else.")

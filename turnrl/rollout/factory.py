@@ -5,15 +5,15 @@ Components take plain arguments; this is the one place that reads config datacla
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from turnrl.chat.parsers import get_parser
-from turnrl.chat.templates import ChatTemplate
-from turnrl.config.schema import EngineConfig, InteractionSpec, RolloutConfig, ToolSpec
+from turnrl.chat.detect import parser_for
+from turnrl.chat.templates import ChatTemplate, load_template  # noqa: F401 (re-exported)
+from turnrl.config.schema import InteractionSpec, RolloutConfig, ToolSpec
 from turnrl.engines.base import Engine, Sampling
+from turnrl.engines.factory import build_engine  # noqa: F401 (re-exported)
 from turnrl.env.loading import (BUILTIN_INTERACTIONS, BUILTIN_TOOLS, interaction_factory, read_interaction_config,
-                                read_tool_config, tool_factory)
+                                read_tool_config, tool_factories, tool_factory)
 from turnrl.rollout.loop import AgentLoop, Environment, Limits
 
 
@@ -25,11 +25,12 @@ def build_environment(cfg: RolloutConfig) -> Environment:
     """
     specs = list(cfg.tools) + (read_tool_config(cfg.tool_config_path) if cfg.tool_config_path else [])
     tools: dict[str, Any] = {}
-    for spec in specs:
-        name, make = tool_factory(spec)
-        if name in tools:
-            raise ValueError(f"two tools are named '{name}'; tool names must be unique")
-        tools[name] = make
+    for i, spec in enumerate(specs):
+        for name, make in tool_factories(spec, f"rollout.tools[{i}]"):
+            if name in tools:
+                raise ValueError(f"two tools are named '{name}'; tool names must be unique (an mcp server's "
+                                 "tools take a 'prefix')")
+            tools[name] = make
     configured = list(tools)
     for name in BUILTIN_TOOLS:
         if name not in tools:
@@ -43,8 +44,10 @@ def build_environment(cfg: RolloutConfig) -> Environment:
         interactions[spec.name] = interaction_factory(spec)
     for name in BUILTIN_INTERACTIONS:
         interactions.setdefault(name, _lazy(lambda n=name: interaction_factory(InteractionSpec(n, n))))
-    return Environment(tools, interactions, cfg.tool_timeout_s, cfg.max_parallel_calls, cfg.max_tool_response_tokens,
-                       cfg.truncate_side, cfg.tool_errors_to_model, cfg.interaction_timeout_s, configured)
+    return Environment(tool_factories=tools, interaction_factories=interactions, tool_timeout_s=cfg.tool_timeout_s,
+                       max_parallel_calls=cfg.max_parallel_calls, max_tool_response_tokens=cfg.max_tool_response_tokens,
+                       truncate_side=cfg.truncate_side, tool_errors_to_model=cfg.tool_errors_to_model,
+                       interaction_timeout_s=cfg.interaction_timeout_s, default_tools=configured)
 
 
 def _lazy(make_factory: Any) -> Any:
@@ -58,24 +61,6 @@ def _lazy(make_factory: Any) -> Any:
     return make
 
 
-def load_template(model_dir: str | Path) -> ChatTemplate:
-    from transformers import AutoTokenizer
-    return ChatTemplate(AutoTokenizer.from_pretrained(str(model_dir)))
-
-
-def build_engine(cfg: EngineConfig, model_dir: str | Path) -> Engine:
-    if cfg.kind == "hf":
-        from turnrl.engines.fast import build_hf_engine
-        return build_hf_engine(str(model_dir), cfg.fast, device=cfg.device, dtype=cfg.dtype,
-                               max_batch_size=cfg.max_batch_size, max_len=cfg.max_model_len, gather_ms=cfg.gather_ms,
-                               seed=cfg.seed,
-                               prefix_cache_tokens=cfg.prefix_cache_tokens if cfg.enable_prefix_caching else 0)
-    if cfg.kind == "vllm":
-        from turnrl.engines.vllm import VLLMEngine
-        return VLLMEngine.from_config(str(model_dir), cfg)
-    raise ValueError(f"unknown engine kind {cfg.kind!r}")
-
-
 def sampling_from(cfg: RolloutConfig) -> Sampling:
     s = cfg.sampling
     return Sampling(max_tokens=s.max_tokens_per_turn, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
@@ -84,9 +69,12 @@ def sampling_from(cfg: RolloutConfig) -> Sampling:
 def build_loop(cfg: RolloutConfig, engine: Engine, template: ChatTemplate, env: Environment, seed: int,
                sampling: Sampling | None = None, policy_version: int = 0) -> AgentLoop:
     s = sampling or sampling_from(cfg)
-    if getattr(engine, "truncated_sampling", True) is False and (s.top_p < 1.0 or s.top_k > 0):
+    if not engine.capabilities.truncated_sampling and (s.top_p < 1.0 or s.top_k > 0):
         raise ValueError("this engine cannot report full-distribution logprobs under top-p/top-k: set "
                          "rollout.sampling.top_p=1 and rollout.sampling.top_k=0, or use engine.kind=hf")
-    limits = Limits(cfg.max_assistant_turns, cfg.max_user_turns, cfg.max_response_tokens, cfg.max_context_tokens)
-    return AgentLoop(engine, template, get_parser(cfg.tool_parser), env, limits, s,
-                     cfg.on_mismatch, seed, policy_version)
+    # The engine's own limit (engine.max_model_len) bounds the context too: past it every request would fail.
+    context = min(cfg.max_context_tokens, engine.max_model_len or cfg.max_context_tokens)
+    limits = Limits(max_assistant_turns=cfg.max_assistant_turns, max_user_turns=cfg.max_user_turns,
+                    max_response_tokens=cfg.max_response_tokens, max_context_tokens=context)
+    return AgentLoop(engine, template, parser_for(cfg.tool_parser, template), env, limits, s, on_mismatch=cfg.on_mismatch,
+                     seed=seed, policy_version=policy_version)

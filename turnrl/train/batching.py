@@ -1,4 +1,4 @@
-"""Mini-batches and token-budget micro-batches over a padded `Batch`.
+"""The training rows (`Rows`, built from trajectories by `to_rows`), mini-batches and token-budget micro-batches.
 
 Rows are grouped into micro-batches whose padded size (rows x longest row) stays within a token budget,
 longest rows first, and each micro-batch is cut to its own longest row, so memory grows with the budget,
@@ -13,20 +13,26 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from turnrl.ledger import Segment, Source, Trajectory
+
 
 @dataclass
 class Rows:
-    """Per-row training tensors ([B, T] unless noted); a slice of them is a micro-batch."""
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    old_logprobs: torch.Tensor       # trainer logprobs before the update (the PPO ratio's denominator)
-    engine_logprobs: torch.Tensor    # what the engine reported while sampling
-    advantages: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-    old_values: torch.Tensor | None = None
+    """The training container: one row per trajectory segment (`to_rows`), right-padded; token i's values sit
+    at column i. Tensors are [B, T] unless noted; a slice of them (`select`) is a mini- or micro-batch."""
+    input_ids: torch.Tensor          # long
+    attention_mask: torch.Tensor     # long, 1 on real tokens
+    position_ids: torch.Tensor       # long, 0, 1, ... on real tokens, 0 on padding
+    loss_mask: torch.Tensor          # float, 1 on trained policy tokens (all 0 on a masked trajectory's rows)
+    old_logprobs: torch.Tensor       # float, trainer logprobs before the update (the PPO ratio's denominator)
+    engine_logprobs: torch.Tensor    # float, what the engine reported while sampling (0 off policy tokens)
+    advantages: torch.Tensor         # float
+    ref_logprobs: torch.Tensor | None = None   # float, the reference policy's (a KL term)
+    returns: torch.Tensor | None = None        # float, value targets (GAE)
+    old_values: torch.Tensor | None = None     # float, the critic's values before the update (GAE)
+    token_rewards: torch.Tensor | None = None  # float, rewards on the last policy token of their turn or row
+    turn_ids: torch.Tensor | None = None       # long, each token's assistant turn
+    traj_index: torch.Tensor | None = None     # [B] long, the trajectory of each row (rows in trajectory order)
 
     def select(self, index: torch.Tensor, width: int | None = None) -> "Rows":
         out = {}
@@ -36,8 +42,12 @@ class Rows:
                 out[f.name] = None
                 continue
             value = value[index]
-            out[f.name] = value[:, :width] if width is not None else value
+            out[f.name] = value[:, :width] if width is not None and value.dim() == 2 else value
         return Rows(**out)
+
+    def to(self, device: torch.device) -> "Rows":
+        return Rows(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                       for f in fields(self)})
 
     @property
     def lengths(self) -> torch.Tensor:  # [B]
@@ -85,3 +95,58 @@ def mini_batches(n_rows: int, n_mini: int, generator: torch.Generator) -> list[t
     """A seeded shuffle of the rows split into `n_mini` nearly equal parts."""
     perm = torch.randperm(n_rows, generator=generator)
     return [part for part in torch.tensor_split(perm, min(n_mini, max(n_rows, 1))) if len(part)]
+
+
+def to_rows(trajectories: list[Trajectory], turn_rewards: bool = False, pad_id: int = 0) -> Rows:
+    """Pad every segment of `trajectories` into `Rows` (on the CPU), in trajectory order.
+
+    The engine's logprobs are also the first `old_logprobs` (until a trainer pass replaces them); advantages
+    start at 0. Rewards: the trajectory reward (the total, step rewards included) sits on the last policy
+    token of its last segment that has one. With `turn_rewards`, each turn's step reward sits on that turn's
+    last policy token instead and only the rest of the total (the outcome part) on the last one, so the rows
+    still sum to the total. Masked trajectories keep their rows, with a zero loss mask.
+    """
+    index = [(ti, si) for ti, t in enumerate(trajectories) for si in range(len(t.segments))]
+    width = max((len(trajectories[ti].segments[si]) for ti, si in index), default=0)
+    B = len(index)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, width), dtype=torch.long)
+    loss_mask = torch.zeros((B, width))
+    engine_lp = torch.zeros((B, width))
+    token_rewards = torch.zeros((B, width))
+    turn_ids = torch.zeros((B, width), dtype=torch.long)
+    traj_index = torch.zeros(B, dtype=torch.long)
+    # The outcome goes on the last policy token of the trajectory: in its last segment that has one (a split
+    # can leave a final segment that holds only the re-rendered history, e.g. when the budget ran out).
+    outcome_segment = {ti: max((si for si, seg in enumerate(t.segments) if _last_policy_index(seg) >= 0),
+                               default=len(t.segments) - 1) for ti, t in enumerate(trajectories)}
+    for row, (ti, si) in enumerate(index):
+        traj, seg = trajectories[ti], trajectories[ti].segments[si]
+        n = len(seg)
+        input_ids[row, :n] = torch.tensor(seg.token_ids, dtype=torch.long)
+        attention[row, :n] = 1
+        if not traj.masked:
+            loss_mask[row, :n] = torch.tensor(seg.loss_mask, dtype=torch.float)
+        engine_lp[row, :n] = torch.tensor(seg.logprobs)
+        turn_ids[row, :n] = torch.tensor(seg.turns, dtype=torch.long)
+        traj_index[row] = ti
+        outcome = traj.reward
+        if turn_rewards:
+            for t in traj.turns:
+                if t.segment == si and t.end > t.start:
+                    token_rewards[row, t.end - 1] += t.reward
+            outcome -= sum(t.reward for t in traj.turns if t.end > t.start)
+        if si == outcome_segment[ti]:
+            last = _last_policy_index(seg)
+            if last >= 0:
+                token_rewards[row, last] += outcome
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0) * attention
+    return Rows(input_ids, attention, positions, loss_mask, engine_lp.clone(), engine_lp, torch.zeros_like(loss_mask),
+                token_rewards=token_rewards, turn_ids=turn_ids, traj_index=traj_index)
+
+
+def _last_policy_index(seg: Segment) -> int:
+    for i in range(len(seg.sources) - 1, -1, -1):
+        if seg.sources[i] == Source.POLICY:
+            return i
+    return -1

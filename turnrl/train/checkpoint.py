@@ -4,7 +4,8 @@ A checkpoint is a directory `step_NNNNNN/` holding the model (full weights or th
 safetensors), optimizer and scheduler state, every RNG state, and `trainer_state.json` (step, data position,
 config). It is written into a temporary directory and renamed into place; the `latest` file is replaced
 atomically afterwards. A crash at any point leaves either the old or the new checkpoint as `latest`, never
-a half-written one.
+a half-written one. `manifest.json` holds each file's size and sha256 (see `turnrl.train.manifest`); every
+load checks them first, so a damaged file is a `CheckpointError` naming it and the checkpoint to use instead.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from turnrl.train.manifest import MANIFEST, CheckpointError, read_manifest, reading, verify, write_manifest
 from turnrl.train.policy import is_lora
+
+__all__ = ["CheckpointError", "MANIFEST", "read_manifest", "verify", "save_checkpoint", "load_checkpoint",
+           "load_model_weights", "find_checkpoint", "read_state", "read_torch"]
 
 LATEST = "latest"
 
@@ -66,6 +71,7 @@ def save_checkpoint(root: Path, step: int, model: Any, optimizer: torch.optim.Op
         if extra:
             torch.save(extra, tmp / "extra.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+        write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -93,29 +99,54 @@ def find_checkpoint(spec: str, root: Path) -> Path:
     if spec == LATEST:
         pointer = root / LATEST
         if not pointer.is_file():
-            raise ValueError(f"trainer.resume=latest but {root} has no checkpoint yet; start without resume.")
+            raise CheckpointError(f"trainer.resume=latest but {root} has no checkpoint yet; start without resume.")
         path = root / pointer.read_text().strip()
     else:
         path = Path(spec)
     if not (path / "trainer_state.json").is_file():
-        raise ValueError(f"'{path}' is not a turnrl checkpoint (no trainer_state.json).")
+        raise CheckpointError(f"'{path}' is not a turnrl checkpoint (no trainer_state.json).")
     return path
 
 
-def load_model_weights(model: Any, path: Path) -> None:
+def load_model_weights(model: Any, path: Path, verified: bool = False) -> None:
+    """The checkpoint's weights (or LoRA adapter) into `model`; checks the files first unless `verified`."""
     from safetensors.torch import load_file
+    if not verified:
+        verify(path, "model/")
     model_dir = path / "model"
     if is_lora(model):
         from peft import set_peft_model_state_dict
-        set_peft_model_state_dict(model, load_file(str(model_dir / "adapter_model.safetensors")))
+        adapter = model_dir / "adapter_model.safetensors"
+        with reading(path, adapter):
+            weights = load_file(str(adapter))
+        set_peft_model_state_dict(model, weights)
         return
     state: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(file)))
+        with reading(path, file):
+            state.update(load_file(str(file)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not _tied(model, m)]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+
+
+def read_torch(path: Path, name: str) -> Any:
+    """A `torch.save`d file of the checkpoint (not re-verified); a load error names the file."""
+    with reading(path, path / name):
+        return torch.load(path / name, weights_only=False)
+
+
+def read_state(path: Path, verified: bool = False) -> dict[str, Any]:
+    """The checkpoint's `trainer_state.json` (step, data position, config), checked unless `verified`."""
+    if not verified:
+        verify(path, "trainer_state.json")
+    file = path / "trainer_state.json"
+    with reading(path, file):
+        state = json.loads(file.read_text())
+        int(state["step"])
+        return state
 
 
 def _tied(model: Any, name: str) -> bool:
@@ -124,10 +155,16 @@ def _tied(model: Any, name: str) -> bool:
 
 def load_checkpoint(path: Path, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any,
                     generator: torch.Generator) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Restore everything in place; returns (trainer_state, extra)."""
-    load_model_weights(model, path)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False), generator)
-    extra = torch.load(path / "extra.pt", weights_only=False) if (path / "extra.pt").is_file() else {}
-    return json.loads((path / "trainer_state.json").read_text()), extra
+    """Restore everything in place (after checking every file against the manifest); returns (trainer_state, extra)."""
+    verify(path)
+    state = read_state(path, verified=True)
+    load_model_weights(model, path, verified=True)
+    for name, target in (("optimizer.pt", optimizer), ("scheduler.pt", scheduler)):
+        loaded = read_torch(path, name)
+        with reading(path, path / name):
+            target.load_state_dict(loaded)
+    rng = read_torch(path, "rng.pt")
+    with reading(path, path / "rng.pt"):
+        set_rng_state(rng, generator)
+    extra = read_torch(path, "extra.pt") if (path / "extra.pt").is_file() else {}
+    return state, extra

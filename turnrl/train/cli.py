@@ -21,15 +21,18 @@ def cmd_train(a: argparse.Namespace) -> int:
     if cfg.trainer.placement == "local":
         from turnrl.train.trainer import Trainer
         history = asyncio.run(Trainer(cfg).run())
+    elif cfg.agent is not None:
+        raise SystemExit("error: 'agent:' rollouts run in the local trainer only: set trainer.placement=local")
     else:  # engines and training ranks as Ray actors
         from turnrl.distributed.trainer import DistributedTrainer
         history = asyncio.run(DistributedTrainer(cfg).run())
-    if history:
-        n = max(1, len(history) // 4)
-        first = sum(h["reward/mean"] for h in history[:n]) / n
-        last = sum(h["reward/mean"] for h in history[-n:]) / n
-        print(f"reward/mean: first quarter {first:.3f} -> last quarter {last:.3f} "
-              f"(metrics in {cfg.output_dir}/metrics.jsonl)")
+    scored = [h["reward/mean"] for h in history if "reward/mean" in h]   # steps with every trajectory masked have none
+    if scored:
+        n = max(1, len(scored) // 4)
+        print(f"reward/mean: first quarter {sum(scored[:n]) / n:.3f} -> last quarter {sum(scored[-n:]) / n:.3f} "
+              f"({len(scored)} of {len(history)} steps scored; metrics in {cfg.output_dir}/metrics.jsonl)")
+    elif history:
+        print(f"no step had a scored trajectory: no reward was measured (see {cfg.output_dir}/trajectories.jsonl)")
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from turnrl.config import Config
@@ -21,7 +20,7 @@ async def evaluate_checkpoint(cfg: Config, checkpoint: str | None) -> dict[str, 
         if checkpoint is not None:
             path = ckpt.find_checkpoint(checkpoint, trainer.out / "checkpoints")
             ckpt.load_model_weights(trainer.policy, path)
-            step = json.loads((path / "trainer_state.json").read_text())["step"]
+            step = ckpt.read_state(path)["step"]
             await trainer.sync_weights(step)
         return {"step": step, **await trainer.evaluate(step)}
     finally:

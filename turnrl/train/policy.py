@@ -1,7 +1,8 @@
 """The trained policy: model loading (full or LoRA), the reference policy, logprobs, and weight export.
 
-- Full fine-tuning keeps fp32 master weights; on CPU and GPU the forward runs under bf16 autocast when the
-  trainer dtype is `auto`/`bfloat16`, so matmuls run at bf16 speed while the optimizer stays exact.
+- Full fine-tuning keeps fp32 master weights; the forward runs under bf16 autocast when the trainer dtype is
+  `bfloat16`, or `auto` on a device with native bf16 matmuls (GPUs, CPUs with AVX512-BF16 or AMX), so matmuls
+  run at bf16 speed while the optimizer stays exact; `auto` on an AVX2-only CPU trains in float32.
 - LoRA (peft) trains only the adapters. The reference policy is then the same model with the adapter
   disabled, so no second copy is held in memory; with full fine-tuning it is a frozen copy.
 - `logprobs` returns [B, T] aligned to token positions: column i holds log p(token_i | tokens < i) under
@@ -20,13 +21,17 @@ from typing import Any, Iterator
 import torch
 
 from turnrl.algo.losses import entropy_from_logits, logprobs_from_logits
+from turnrl.engines.hf import native_bf16
+from turnrl.exact.model import exact_logprobs, merged_weight
 from turnrl.train.fused_head import linear_logprobs
 from turnrl.train.packing import Packed
 from turnrl.train.shared_prefix import shared_hidden
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
-    if dtype == "float32":
+    """bf16 autocast for `bfloat16`, and for `auto` where the device has native bf16 matmuls (an AVX2-only CPU
+    runs bf16 GEMMs in a slow fallback: `auto` trains in float32 there); None: float32."""
+    if dtype == "float32" or (dtype == "auto" and not native_bf16(device)):
         return None
     return torch.bfloat16
 
@@ -81,7 +86,7 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
                      position_ids: torch.Tensor, temperature: float = 1.0, amp: torch.dtype | None = None,
                      with_entropy: bool = False, entropy_grad: bool = False, fused_head: bool = False,
                      select: torch.Tensor | None = None, packed: Packed | None = None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, exact: torch.dtype | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None), both aligned to token positions (column 0 is 0).
     The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it costs none.
@@ -91,7 +96,13 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     With `packed` (`turnrl.train.packing`, the model under `use_packed_attention`) the rows run as one packed
     row without padding; the results come back in the [B, T] layout, 0 at padding.
     With `shared` = (group, prefix) from `turnrl.train.shared_prefix.prefix_groups`, each group's shared prefix
-    runs once; logprobs and entropy are then 0 inside the prefixes (no policy token lies there)."""
+    runs once; logprobs and entropy are then 0 inside the prefixes (no policy token lies there).
+    With `exact` (engine.exact: the engine's dtype) the rows run the batch-invariant forward the engine runs
+    (`turnrl.exact.model.exact_logprobs`): the logprobs equal the engine's bit for bit; `packed`, `shared`
+    and `fused_head` do not apply."""
+    if exact is not None:
+        return exact_logprobs(model, input_ids, attention_mask, position_ids, temperature, exact, select,
+                              with_entropy)
     if shared is not None and int(shared[1].max()) > 0 and select is not None \
             and causal_mask_or_none(attention_mask) is None and _output_head(model) is not None:
         lp, ent = _logprobs(model, input_ids, attention_mask, position_ids, temperature, amp, with_entropy,
@@ -201,15 +212,8 @@ def export_weights(model: Any, only_changed: bool = True) -> Iterator[tuple[str,
     from peft.tuners.lora import LoraLayer
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and hasattr(module, "base_layer"):
-            base = module.base_layer.weight
-            weight = base.detach().clone()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    a = module.lora_A[adapter].weight
-                    b = module.lora_B[adapter].weight
-                    delta = (b.float() @ a.float()) * module.scaling[adapter]
-                    weight += delta.to(weight.dtype).T if getattr(module, "fan_in_fan_out", False) else delta.to(weight.dtype)
-            yield _base_name(name) + ".weight", weight
+            # the exact forward (engine.exact) merges with the same function, so both sides hold the same bits
+            yield _base_name(name) + ".weight", merged_weight(module).detach().clone()
     if not only_changed:
         for name, tensor in model.state_dict().items():
             if "lora_" not in name and ".base_layer." not in name:

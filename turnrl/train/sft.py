@@ -27,10 +27,10 @@ from turnrl.chat.parity import replay_conversation
 from turnrl.chat.templates import ChatTemplate
 from turnrl.config import Config
 from turnrl.data import Task, load_dataset
-from turnrl.ledger import Trajectory, to_batch
+from turnrl.ledger import Trajectory
 from turnrl.observe.store import read_trajectories
 from turnrl.rollout.factory import build_environment
-from turnrl.train.batching import micro_batches
+from turnrl.train.batching import micro_batches, to_rows
 from turnrl.train.policy import forward_logprobs
 
 
@@ -113,7 +113,7 @@ def sft_epoch(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, exam
             continue
         t0 = time.perf_counter()
         chunk = [examples[i] for i in order[start:start + batch_size]]
-        batch = to_batch(chunk, pad_id=pad_id)
+        batch = to_rows(chunk, pad_id=pad_id)
         ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
         pos, mask = batch.position_ids.to(device), batch.loss_mask.to(device)
         normalizer = float(mask.sum())

@@ -8,22 +8,19 @@ from typing import Any
 
 import torch
 
-from turnrl.config import Config, ConfigError, dump_yaml, to_dict
-from turnrl.data import load_dataset
+from turnrl.config import Config, ConfigError
 from turnrl.engines.hf import resolve_device
 from turnrl.ledger import Trajectory
-from turnrl.models import resolve
-from turnrl.observe.metrics import MetricsLogger
 from turnrl.observe.plots import refresh_plots
 from turnrl.rewards.functions import score_all
-from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template
-from turnrl.rollout.run import reward_functions
+from turnrl.rollout.factory import build_engine, build_environment, build_loop
+from turnrl.rewards.build import reward_functions
 from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.optim import build_optimizer
 from turnrl.train.policy import autocast_dtype, export_weights, load_policy, trainable_parameters
 from turnrl.train.sft import load_examples, sft_epoch
-from turnrl.train.trainer import DataOrder, seed_everything
+from turnrl.train.setup import open_logger, set_up_run, train_data
 
 
 class SFTRun:
@@ -34,20 +31,15 @@ class SFTRun:
             raise ConfigError("trainer.resume is not supported with rejection sampling (sft.rounds > 0). Unset "
                               "trainer.resume; plain SFT (sft.rounds=0) resumes.")
         self.cfg = cfg
-        self.out = Path(cfg.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(dump_yaml(cfg))
-        seed_everything(cfg.seed)
+        run = set_up_run(cfg)   # each fit draws its own generator (`_optimizer`)
+        self.out, self.model_dir, self.template = run.out, run.model_dir, run.template
         self.device = resolve_device(cfg.trainer.device)
         self.amp = autocast_dtype(cfg.trainer.dtype, self.device)
-        self.model_dir = resolve(cfg.model.name)
-        self.template = load_template(self.model_dir)
         self.pad_id = self.template.tokenizer.pad_token_id or 0
         lora = cfg.model.lora
         self.policy = load_policy(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.dropout,
                                   lora.target_modules, cfg.model.gradient_checkpointing)
-        self.logger = MetricsLogger(self.out, cfg.logging.sinks, cfg.logging.project, cfg.logging.run_name,
-                                    to_dict(cfg), cfg.logging.wandb_api_key)
+        self.logger = open_logger(cfg, self.out)
         self.step = 0
         self.history: list[dict[str, Any]] = []
 
@@ -112,9 +104,8 @@ class SFTRun:
     async def _rejection_sampling(self) -> None:
         """Each round: sample with the current weights, keep trajectories with reward >= min_reward,
         fine-tune on their exact tokens."""
-        s, d = self.cfg.sft, self.cfg.data.train
-        tasks = DataOrder(load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows), self.cfg.seed,
-                          self.cfg.data.shuffle)
+        s = self.cfg.sft
+        tasks = train_data(self.cfg)
         env, rewards = build_environment(self.cfg.rollout), reward_functions(self.cfg)
         engine = build_engine(self.cfg.engine, self.model_dir)
         self._optimizer(s.prompts_per_round * self.cfg.rollout.n, s.rounds * s.epochs)

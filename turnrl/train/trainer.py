@@ -9,7 +9,7 @@ every RNG state, so a resumed run continues exactly where it stopped.
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -17,58 +17,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from turnrl.config import Config, dump_yaml, to_dict
+from turnrl.algo.rollout_correction import CorrectionSpec
+from turnrl.config import Config, to_dict
 from turnrl.data import Task, load_dataset
-from turnrl.engines.hf import resolve_device
-from turnrl.ledger import Source, Trajectory, to_batch
+from turnrl.engines.hf import resolve_device, resolve_dtype
+from turnrl.engines.logs import route_engine_logs
+from turnrl.ledger import Source, Trajectory
 from turnrl.llm import close_all as close_llm_clients
-from turnrl.llm import usage_metrics as llm_usage_metrics
-from turnrl.models import resolve
-from turnrl.observe.metrics import MetricsLogger, drop_steps_from, generation_rows
-from turnrl.observe.plots import refresh_plots
+from turnrl.observe.metrics import generation_rows
 from turnrl.observe.progress import Progress
 from turnrl.observe.store import write_trajectories
 from turnrl.rewards.collab import RolloutContext
-from turnrl.rewards.functions import bind_rollout, score_all
-from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template, sampling_from
-from turnrl.rollout.run import reward_functions
-from turnrl.rollout.scheduler import run_batch, summarize
+from turnrl.rewards.build import reward_functions
+from turnrl.rewards.functions import score_all
+from turnrl.rollout.factory import build_engine, build_environment, build_loop, sampling_from
+from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
+from turnrl.train.dynamic_sampling import collect_step, shape_overlong
 from turnrl.train.batching import Rows
+from turnrl.train.metrics import accuracy_of
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import use_packed_attention
 from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, is_lora, load_critic,
                                  load_policy, trainable_parameters)
-from turnrl.train.update import UpdateSettings, compute_advantages, logprob_pass, policy_update
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-class DataOrder:
-    """Tasks in a seeded order: epoch e visits a permutation drawn from Random(seed + e)."""
-
-    def __init__(self, tasks: list[Task], seed: int, shuffle: bool, position: int = 0):
-        if not tasks:
-            raise ValueError("the training data set is empty")
-        self.tasks, self.seed, self.shuffle, self.position = tasks, seed, shuffle, position
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.tasks)))
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
-        return order
-
-    def take(self, k: int) -> list[Task]:
-        out = []
-        for _ in range(k):
-            epoch, offset = divmod(self.position, len(self.tasks))
-            out.append(self.tasks[self._order(epoch)[offset]])
-            self.position += 1
-        return out
+from turnrl.train.setup import StepRecord, open_logger, resumed, set_up_run, train_data
+from turnrl.train.step import Pass, StepInputs, rollout_seed, run_step
+from turnrl.train.update import UpdateSettings, logprob_pass, policy_update
 
 
 def settings_from(cfg: Config, device: torch.device | None = None) -> UpdateSettings:
@@ -80,99 +54,53 @@ def settings_from(cfg: Config, device: torch.device | None = None) -> UpdateSett
     if a.kl_in_reward and a.advantage in ("grpo", "drgrpo", "rloo") and not a.turn_level:
         raise ValueError("algo.kl_in_reward needs token-level returns: use reinforce_pp(_baseline) or "
                          "algo.turn_level=true, or put the KL in the loss (kl_in_reward=false).")
-    return UpdateSettings(a.advantage, a.gamma, a.lam, a.turn_level, a.clip_low, a.clip_high, a.dual_clip,
-                          a.loss_agg, a.kl_coef, a.kl_type, a.kl_in_reward, a.entropy_coef, a.tis_cap,
-                          a.value_clip, a.value_coef, t.epochs_per_step, t.mini_batches, t.micro_batch_tokens, t.optim.grad_clip,
-                          cfg.rollout.sampling.temperature or 1.0, fused_head, t.packing,
-                          t.shared_prefix and not cfg.model.gradient_checkpointing)
+    exact = exact_dtype(cfg, device)
+    return UpdateSettings(
+        advantage=a.advantage, gamma=a.gamma, lam=a.lam, turn_level=a.turn_level, clip_low=a.clip_low,
+        clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_type=a.kl_type,
+        kl_in_reward=a.kl_in_reward, entropy_coef=a.entropy_coef, tis_cap=a.tis_cap, value_clip=a.value_clip,
+        value_coef=a.value_coef, epochs=t.epochs_per_step, mini_batches=t.mini_batches,
+        micro_batch_tokens=t.micro_batch_tokens, grad_clip=t.optim.grad_clip,
+        temperature=cfg.rollout.sampling.temperature or 1.0, fused_head=fused_head, packing=t.packing and exact is None,
+        shared_prefix=t.shared_prefix and not cfg.model.gradient_checkpointing and exact is None,
+        loss_mode=a.loss_mode, correction=CorrectionSpec(**dataclasses.asdict(a.correction)), exact=exact)
 
 
-def accuracy_of(traj: Trajectory, part: str | None, functions: list[str]) -> float | None:
-    key = part or (functions[0] if functions else "interaction")
-    value = traj.reward_parts.get(key)
-    return None if value is None else float(value >= 1.0)
-
-
-def batch_rows(trajs: list[Trajectory], turn_level: bool, pad_id: int, device: torch.device
-               ) -> tuple[Any, Rows, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(batch, rows, valid [N], rewards [N], groups [N]): the trajectories as training rows on `device`, with
-    the engine's logprobs as the old ones until a trainer pass replaces them."""
-    batch = to_batch(trajs, turn_rewards=turn_level, pad_id=pad_id)
-    traj_rewards = torch.tensor([t.reward for t in trajs], device=device)
-    keys: dict[str, int] = {}
-    traj_groups = torch.tensor([keys.setdefault(t.group_id, len(keys)) for t in trajs], device=device)
-    valid = torch.tensor([not t.masked for t in trajs], device=device)
-    loss_mask = batch.loss_mask.to(device)
-    rows = Rows(batch.input_ids.to(device), batch.attention_mask.to(device), batch.position_ids.to(device), loss_mask,
-                batch.old_logprobs.to(device).clone(), batch.old_logprobs.to(device), torch.zeros_like(loss_mask))
-    return batch, rows, valid, traj_rewards, traj_groups
-
-
-def step_metrics(trajs: list[Trajectory], rows: Rows, t_rollout: float, reward_names: list[str],
-                 accuracy_part: str | None) -> dict[str, Any]:
-    """The step's metrics from its trajectories and training rows (rewards, turns, errors, mismatch)."""
-    s = summarize(trajs, t_rollout)
-    rewards = [t.reward for t in trajs if not t.masked] or [0.0]
-    acc = [a for a in (accuracy_of(t, accuracy_part, reward_names) for t in trajs) if a is not None]
-    m: dict[str, Any] = {
-        "reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
-        "reward/min": float(np.min(rewards)), "reward/max": float(np.max(rewards)),
-        "turns/mean": s["turns_mean"], "tool/calls": s["tool_calls"], "tool/errors": s["tool_errors"],
-        "masked": s["masked"], "response_tokens/mean": s["response_tokens_mean"],
-        "throughput/tokens_per_s": s["policy_tokens_per_s"], "trajectories": len(trajs)}
-    if acc:
-        m["accuracy"] = float(np.mean(acc))
-    for key in s:
-        if key.startswith(("termination/", "errors/", "parity/")):
-            m[key] = s[key]
-    for part in sorted({k for t in trajs for k in t.reward_parts}):
-        have = [t.reward_parts[part] for t in trajs if part in t.reward_parts and not t.masked]
-        if have:  # the mean over the trajectories that were scored on this part
-            m[f"reward/{part}"] = float(np.mean(have))
-    for key in sorted({k for t in trajs for k, v in t.metrics.items() if "/" in k and isinstance(v, (int, float))}):
-        m[key] = float(np.mean([t.metrics[key] for t in trajs if isinstance(t.metrics.get(key), (int, float))]))
-    m.update(llm_usage_metrics())  # judge / simulated-user calls and tokens since the last step
-    mask = rows.loss_mask > 0
-    if mask.any():
-        diff = (rows.old_logprobs - rows.engine_logprobs)[mask]
-        m["mismatch/mean_abs"] = float(diff.abs().mean())
-        m["mismatch/max_abs"] = float(diff.abs().max())
-        m["mismatch/kl"] = float((torch.exp(-diff) + diff - 1).mean())  # k3 estimate of KL(engine || trainer)
-    return m
-
-
-def save_samples(path: Path, trajs: list[Trajectory], batch: Any, rows: Rows, keep: int, step: int) -> None:
-    """Append the first `keep` trajectories of the step, with their advantage and trainer logprobs."""
-    if keep <= 0:
-        return
-    chosen = trajs[:keep]
-    for ti, traj in enumerate(chosen):
-        row = int((batch.traj_index == ti).nonzero()[-1])
-        mask = rows.loss_mask[row] > 0
-        traj.metrics["advantage"] = float(rows.advantages[row][mask].mean()) if mask.any() else 0.0
-        traj.metrics["trainer_logprobs"] = rows.old_logprobs[row][: len(traj.segment)].tolist()
-    write_trajectories(path, chosen, append=True, step=step, split="train")
+def exact_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
+    """engine.exact: the dtype the trainer's exact forward runs in (the engine's), after the checks that
+    exactness needs; None when the switch is off."""
+    if not cfg.engine.exact:
+        return None
+    if cfg.trainer.placement != "local":
+        raise ValueError("engine.exact runs with trainer.placement=local (the Ray engines and ranks are not "
+                         "exact yet)")
+    s = cfg.rollout.sampling
+    if s.top_p < 1.0 or s.top_k > 0:
+        raise ValueError("engine.exact samples from the full distribution: set rollout.sampling.top_p=1 and top_k=0")
+    if cfg.algo.entropy_coef > 0:
+        raise ValueError("engine.exact: the entropy bonus (algo.entropy_coef > 0) needs the logits path; set it to 0")
+    if cfg.model.lora.rank > 0 and cfg.model.lora.dropout > 0:
+        raise ValueError("engine.exact: LoRA dropout makes the trainer's forward differ from the engine's merged "
+                         "weights; set model.lora.dropout=0")
+    engine_device = resolve_device(cfg.engine.device)
+    if device is not None and engine_device.type != device.type:
+        raise ValueError(f"engine.exact needs the engine and the trainer on the same kind of device (engine "
+                         f"{engine_device}, trainer {device}): set engine.device and trainer.device alike")
+    return resolve_dtype(cfg.engine.dtype, engine_device)
 
 
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.out = Path(cfg.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(dump_yaml(cfg))
-        seed_everything(cfg.seed)
+        run = set_up_run(cfg)
+        self.out, self.model_dir, self.template, self.generator = run.out, run.model_dir, run.template, run.generator
         self.device = resolve_device(cfg.trainer.device)
         self.settings = settings_from(cfg, self.device)
         self.amp = autocast_dtype(cfg.trainer.dtype, self.device)
-        self.model_dir = resolve(cfg.model.name)
-        d = cfg.data.train
-        self.data = DataOrder(load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows), cfg.seed,
-                              cfg.data.shuffle)
+        self.data = train_data(cfg)
         e = cfg.data.eval
         self.eval_tasks = load_dataset(e.path, e.task, e.size, e.seed, e.options, e.max_rows) if e else []
-        self.template = load_template(self.model_dir)
         self.env = build_environment(cfg.rollout)
-        self.rewards = reward_functions(cfg)
         lora = cfg.model.lora
         self.policy = load_policy(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.dropout,
                                   lora.target_modules, cfg.model.gradient_checkpointing)
@@ -188,14 +116,28 @@ class Trainer:
             self.params += trainable_parameters(self.critic)
         total = cfg.trainer.steps * cfg.trainer.epochs_per_step * cfg.trainer.mini_batches
         self.optimizer, self.scheduler = build_optimizer(self.params, cfg.trainer.optim, total)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
         self.start_step = 0
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
+        route_engine_logs(cfg.engine.kind, self.out, cfg.logging.engine_logs)
         self.engine = build_engine(cfg.engine, self.model_dir)
-        bind_rollout(self.rewards, RolloutContext(self.engine, self.template, self.env, cfg.rollout, cfg.seed))
-        self.logger = MetricsLogger(self.out, cfg.logging.sinks, cfg.logging.project, cfg.logging.run_name,
-                                    to_dict(cfg), cfg.logging.wandb_api_key)
+        self.rewards = reward_functions(cfg, RolloutContext(self.engine, self.template, self.env, cfg.rollout,
+                                                            cfg.seed))
+        self.agents = None   # your own agent through the gateway (cfg.agent) instead of the agent loop
+        if cfg.agent is not None:
+            try:   # the gateway's HTTP stack is an extra: only runs with `agent:` need it
+                from turnrl.gateway.agents import agent_reward, build_agent_rollout
+            except ImportError as exc:
+                raise ImportError(f"`agent:` runs your agent through turnrl's gateway, which needs {exc.name}: "
+                                  f"pip install 'turnrl[agents]'") from exc
+            self.agents = build_agent_rollout(cfg, self.engine, self.template)
+            if cfg.agent.returns_reward:
+                self.rewards.insert(0, agent_reward(cfg.agent.reward_weight))
+        self.step_inputs = StepInputs(self.settings, self.template.tokenizer.pad_token_id or 0, self.device,
+                                      self.critic is not None, [f.name for f in self.rewards],
+                                      cfg.reward.accuracy_part, self.out / "trajectories.jsonl",
+                                      cfg.trainer.trajectories_per_step_saved)
+        self.logger = open_logger(cfg, self.out)
 
     def _resume(self, spec: str) -> None:
         path = ckpt.find_checkpoint(spec, self.out / "checkpoints")
@@ -206,15 +148,13 @@ class Trainer:
             self.critic.load_state_dict(extra["critic"])
         self.start_step = state["step"]
         self.data.position = state["data_position"]
-        # what the killed run saved after its last checkpoint is redone: drop it so nothing appears twice
-        drop_steps_from(self.out / "trajectories.jsonl", self.start_step + 1)
-        print(f"[turnrl] resumed from {path} at step {self.start_step}", flush=True)
+        resumed(self.out, path, self.start_step)
 
     async def sync_weights(self, version: int) -> float:
         """New weights into the engine: the adapter alone when the engine serves LoRA adapters
         (vLLM with engine.max_lora_rank >= model.lora.rank), else the changed weights (LoRA merged) in place."""
         start = time.perf_counter()
-        if is_lora(self.policy) and getattr(self.engine, "lora_enabled", False):
+        if is_lora(self.policy) and self.engine.capabilities.lora_adapters:
             from peft import get_peft_model_state_dict
             config = self.policy.peft_config["default"].to_dict()
             await self.engine.update_lora(get_peft_model_state_dict(self.policy), config, version)
@@ -223,7 +163,7 @@ class Trainer:
         return time.perf_counter() - start
 
     async def run(self) -> list[dict[str, Any]]:
-        history = []
+        record = StepRecord(self.cfg, self.out, self.logger)
         try:
             if self.start_step > 0:  # the engine starts from the base weights
                 await self.sync_weights(self.start_step)
@@ -231,18 +171,15 @@ class Trainer:
                 metrics = await self.train_step(step)
                 if self.eval_tasks and self.cfg.trainer.eval_every and (step + 1) % self.cfg.trainer.eval_every == 0:
                     metrics.update(await self.evaluate(step + 1))
-                self.logger.log(step + 1, metrics)
-                refresh_plots(self.out)
-                history.append(metrics)
-                last = step + 1 == self.cfg.trainer.steps
-                every = self.cfg.trainer.save_every
-                if last or (every and (step + 1) % every == 0):
+                if record.add(step + 1, metrics):
                     self.save(step + 1)
         finally:
             self.logger.close()
+            if self.agents is not None:
+                await self.agents.close()
             await self.engine.close()
             await close_llm_clients()
-        return history
+        return record.history
 
     def save(self, step: int) -> Path:
         extra = {}
@@ -256,73 +193,62 @@ class Trainer:
 
     async def rollout(self, tasks: list[Task], n: int, step: int, sampling: Any = None,
                       desc: str = "rollout") -> tuple[list[Trajectory], float]:
-        loop = build_loop(self.cfg.rollout, self.engine, self.template, self.env, self.cfg.seed * 1_000_003 + step,
+        loop = build_loop(self.cfg.rollout, self.engine, self.template, self.env, rollout_seed(self.cfg.seed, step),
                           sampling, policy_version=step)
         progress = Progress(len(tasks) * n, f"{desc} {step}", self.cfg.logging.progress,
-                            in_flight=lambda: getattr(self.engine, "in_flight", 0))
+                            in_flight=lambda: self.engine.in_flight)
         start = time.perf_counter()
+        done = lambda t: progress.update(1, tokens=t.n_tokens(Source.POLICY))  # noqa: E731
         try:
-            trajs = await run_batch(loop, tasks, n, self.cfg.rollout.concurrency,
-                                    lambda t: progress.update(1, tokens=t.n_tokens(Source.POLICY)))
+            if self.agents is not None:
+                self.agents.set_sampling(loop.sampling)
+                trajs = await self.agents.run_batch(tasks, n, self.cfg.rollout.concurrency, step, done)
+            else:
+                trajs = await run_batch(loop, tasks, n, self.cfg.rollout.concurrency, done)
         finally:
             progress.close()
         return trajs, time.perf_counter() - start
 
     async def train_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
-        tasks = self.data.take(self.cfg.data.prompts_per_step)
-        trajs, t_rollout = await self.rollout(tasks, self.cfg.rollout.n, step)
-        t0 = time.perf_counter()
-        await score_all(trajs, self.rewards, self.cfg.reward.use_tool_rewards, self.cfg.reward.use_interaction_rewards)
-        t_reward = time.perf_counter() - t0
-        rows, batch, t_logprob = self._prepare(trajs)
-        t0 = time.perf_counter()
+        spent = {"rollout": 0.0, "reward": 0.0}
+
+        async def sample(prompts: int) -> list[Trajectory]:
+            trajs, seconds = await self.rollout(self.data.take(prompts), self.cfg.rollout.n, step)
+            t0 = time.perf_counter()
+            await self.score(trajs)
+            spent["rollout"] += seconds
+            spent["reward"] += time.perf_counter() - t0
+            return trajs
+        trajs, sampling = await collect_step(sample, self.cfg, [f.name for f in self.rewards])
+        t_rollout, t_reward = spent["rollout"], spent["reward"]
+        metrics = await run_step(self, self.step_inputs, trajs, step, t_rollout)
+        metrics.update(sampling)
+        metrics.update({"lr": self.scheduler.get_last_lr()[0], "time/reward_s": t_reward,
+                        "time/sync_s": await self.sync_weights(step + 1), "time/step_s": time.perf_counter() - t_step})
+        metrics.update(self.engine.metrics())   # after the sync: a server engine's retries, revivals, sync bytes
+        return metrics
+
+    # -- the Placement a step uses (turnrl.train.step): the policy, its reference and critic in this process --
+    async def logprobs(self, rows: Rows, which: Pass) -> torch.Tensor:
+        if which == "reference":
+            with self.reference.model() as ref:
+                return logprob_pass(ref, rows, self.settings, self.amp)
+        model = self.critic if which == "values" else self.policy
+        model.eval()
+        return logprob_pass(model, rows, self.settings, self.amp, values=which == "values")
+
+    async def update(self, rows: Rows) -> dict[str, float]:
         self.policy.train()
         if self.critic is not None:
             self.critic.train()
-        update = policy_update(self.policy, self.optimizer, self.scheduler, rows, self.settings, self.amp,
-                               self.generator, self.params, self.critic)
-        t_update = time.perf_counter() - t0
-        t_sync = await self.sync_weights(step + 1)
-        metrics = self._metrics(trajs, rows, t_rollout)
-        metrics.update(update)
-        metrics.update({"lr": self.scheduler.get_last_lr()[0], "time/rollout_s": t_rollout, "time/reward_s": t_reward,
-                        "time/logprob_s": t_logprob, "time/update_s": t_update, "time/sync_s": t_sync,
-                        "time/step_s": time.perf_counter() - t_step})
-        trained = float(rows.attention_mask.sum())
-        metrics["throughput/train_tokens_per_s"] = trained / max(t_update + t_logprob, 1e-9)
-        self._save_samples(trajs, batch, rows, step + 1)
-        return metrics
+        return policy_update(self.policy, self.optimizer, self.scheduler, rows, self.settings, self.amp,
+                             self.generator, self.params, self.critic)
 
-    def _prepare(self, trajs: list[Trajectory]) -> tuple[Rows, Any, float]:
-        t0 = time.perf_counter()
-        dev = self.device
-        batch, rows, valid, traj_rewards, traj_groups = batch_rows(
-            trajs, self.settings.turn_level, self.template.tokenizer.pad_token_id or 0, dev)
-        loss_mask = rows.loss_mask
-        if self.reference is not None:
-            with self.reference.model() as ref:
-                rows.ref_logprobs = logprob_pass(ref, rows, self.settings, self.amp)
-        if not self.settings.single_pass:
-            self.policy.eval()
-            rows.old_logprobs = logprob_pass(self.policy, rows, self.settings, self.amp)
-        if self.critic is not None:
-            self.critic.eval()
-            rows.old_values = logprob_pass(self.critic, rows, self.settings, self.amp, values=True)
-        kl = None
-        if self.settings.kl_in_reward and rows.ref_logprobs is not None:
-            kl = rows.engine_logprobs - rows.ref_logprobs
-        batch_dev = batch._replace(traj_index=batch.traj_index.to(dev))
-        rows.advantages = compute_advantages(self.settings, batch_dev, loss_mask, valid, traj_rewards, traj_groups, kl,
-                                             rows)
-        return rows, batch, time.perf_counter() - t0
-
-    def _metrics(self, trajs: list[Trajectory], rows: Rows, t_rollout: float) -> dict[str, Any]:
-        return step_metrics(trajs, rows, t_rollout, [f.name for f in self.rewards], self.cfg.reward.accuracy_part)
-
-    def _save_samples(self, trajs: list[Trajectory], batch: Any, rows: Rows, step: int) -> None:
-        save_samples(self.out / "trajectories.jsonl", trajs, batch, rows, self.cfg.trainer.trajectories_per_step_saved,
-                     step)
+    async def score(self, trajs: list[Trajectory]) -> None:
+        r = self.cfg.reward
+        await score_all(trajs, self.rewards, r.use_tool_rewards, r.use_interaction_rewards)
+        shape_overlong(trajs, self.cfg.rollout.max_response_tokens, r.overlong.buffer, r.overlong.penalty)
 
     async def evaluate(self, step: int) -> dict[str, Any]:
         sampling = sampling_from(self.cfg.rollout).with_(temperature=0.0)

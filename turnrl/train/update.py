@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from turnrl.algo import advantages as adv
-from turnrl.algo.losses import aggregate, kl_penalty, ppo_policy_loss, truncated_is_weights, value_loss
+from turnrl.algo.losses import aggregate, kl_penalty, value_loss
 from turnrl.algo.masked import masked_mean
-from turnrl.ledger import Batch
+from turnrl.algo.policy_losses import policy_loss
+from turnrl.algo.rollout_correction import CorrectionSpec, correct
+from turnrl.config.schema import AlgoConfig, TrainerConfig
 from turnrl.train.batching import Rows, micro_batches, mini_batches, to_device
 from turnrl.train.packing import Packed, pack
 from turnrl.train.policy import forward_logprobs, forward_values
@@ -26,31 +28,39 @@ from turnrl.train.shared_prefix import prefix_groups, shared_micro_batches
 SEQ_LEVEL = ("grpo", "drgrpo", "rloo")
 
 
+_ALGO, _TRAINER = AlgoConfig(), TrainerConfig()
+
+
 @dataclass
 class UpdateSettings:
-    advantage: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    turn_level: bool = False
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    loss_agg: str = "token-mean"
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
-    value_clip: float = 0.2
-    value_coef: float = 0.5
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_tokens: int = 4096
-    grad_clip: float = 1.0
+    """What the update needs from `algo.*` and `trainer.*` (built by keyword in `settings_from`); each default
+    is the config's, so a setting has one default wherever it is read."""
+    advantage: str = _ALGO.advantage
+    gamma: float = _ALGO.gamma
+    lam: float = _ALGO.lam
+    turn_level: bool = _ALGO.turn_level
+    clip_low: float = _ALGO.clip_low
+    clip_high: float = _ALGO.clip_high
+    dual_clip: float | None = _ALGO.dual_clip
+    loss_agg: str = _ALGO.loss_agg
+    kl_coef: float = _ALGO.kl_coef
+    kl_type: str = _ALGO.kl_type
+    kl_in_reward: bool = _ALGO.kl_in_reward
+    entropy_coef: float = _ALGO.entropy_coef
+    tis_cap: float | None = _ALGO.tis_cap
+    value_clip: float = _ALGO.value_clip
+    value_coef: float = _ALGO.value_coef
+    epochs: int = _TRAINER.epochs_per_step
+    mini_batches: int = _TRAINER.mini_batches
+    micro_batch_tokens: int = _TRAINER.micro_batch_tokens
+    grad_clip: float = _TRAINER.optim.grad_clip
     temperature: float = 1.0
     fused_head: bool = False
     packing: bool = False        # the model must be under `turnrl.train.packing.use_packed_attention`
     shared_prefix: bool = False  # run each group's shared prompt once per micro-batch (turnrl.train.shared_prefix)
+    loss_mode: str = _ALGO.loss_mode   # turnrl.algo.policy_losses.POLICY_LOSSES
+    correction: CorrectionSpec | None = None   # rollout correction (tis_cap alone: token-level IS at that cap)
+    exact: torch.dtype | None = None  # engine.exact: the batch-invariant forward in the engine's dtype (turnrl.exact)
 
     @property
     def single_pass(self) -> bool:
@@ -60,37 +70,81 @@ class UpdateSettings:
     def needs_ref(self) -> bool:
         return self.kl_coef > 0
 
+    @property
+    def correction_spec(self) -> CorrectionSpec | None:
+        if self.correction is not None and self.correction.active:
+            return self.correction
+        return CorrectionSpec(is_level="token", is_cap=self.tis_cap) if self.tis_cap else None
 
-def compute_advantages(s: UpdateSettings, batch: Batch, loss_mask: torch.Tensor, valid_traj: torch.Tensor,
-                       traj_rewards: torch.Tensor, traj_groups: torch.Tensor,
-                       kl: torch.Tensor | None = None, rows: Rows | None = None) -> torch.Tensor:
-    """Advantages [B, T] for the batch rows. Sequence-level estimators work on trajectories (a trajectory
-    split into several segments counts once in its group) and skip masked-out trajectories entirely.
+
+def compute_advantages(s: UpdateSettings, rows: Rows, valid_traj: torch.Tensor, traj_rewards: torch.Tensor,
+                       traj_groups: torch.Tensor, kl: torch.Tensor | None = None) -> torch.Tensor:
+    """Advantages [B, T] for the batch rows. Every estimator sees the same groups: the valid trajectories,
+    each once. Sequence-level estimators work on the trajectory rewards; token-level ones on each valid
+    trajectory's segments laid end to end (`by_trajectory`), so a split trajectory's returns run across its
+    segments and its group counts it once; masked trajectories get 0 and are no member of any group.
     GAE reads `rows.old_values` and stores the value targets in `rows.returns`."""
-    rows_traj = batch.traj_index
+    loss_mask = rows.loss_mask
+    rows_traj = rows.traj_index.to(loss_mask.device)
+    idx = valid_traj.nonzero().squeeze(1)
     if s.advantage in SEQ_LEVEL and not s.turn_level:
         out = torch.zeros_like(traj_rewards)
-        idx = valid_traj.nonzero().squeeze(1)
         if len(idx):
             r, g = traj_rewards[idx], traj_groups[idx]
             out[idx] = adv.rloo(r, g) if s.advantage == "rloo" else adv.grpo(r, g, normalize_std=s.advantage == "grpo")
         return adv.broadcast(out[rows_traj], loss_mask)
-    token_rewards = batch.token_rewards.to(loss_mask.device)
+    if s.advantage not in SEQ_LEVEL + ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+        raise ValueError(f"unknown advantage estimator '{s.advantage}'")
+    if s.advantage == "gae" and rows.old_values is None:
+        raise ValueError("advantage 'gae' needs the critic's values")
+    token_rewards = rows.token_rewards.to(loss_mask.device)
     if kl is not None and s.kl_in_reward:
         token_rewards = token_rewards - s.kl_coef * kl.detach() * loss_mask
+    lay = Layout(rows_traj, len(traj_rewards), idx)
+    mask, rewards, groups = lay.gather(loss_mask), lay.gather(token_rewards), traj_groups[idx]
     if s.advantage in SEQ_LEVEL:  # turn-level GRPO / Dr.GRPO
-        return adv.grpo_turn_level(token_rewards, batch.turn_ids.to(loss_mask.device), loss_mask,
-                                   batch.group_ids.to(loss_mask.device), s.gamma, normalize_std=s.advantage == "grpo")
+        turns = lay.gather(rows.turn_ids.to(loss_mask.device))
+        return lay.scatter(adv.grpo_turn_level(rewards, turns, mask, groups, s.gamma,
+                                               normalize_std=s.advantage == "grpo"))
     if s.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         baseline = "group_mean" if s.advantage == "reinforce_pp_baseline" else "none"
-        return adv.reinforce_pp(token_rewards, loss_mask, s.gamma, batch.group_ids.to(loss_mask.device), baseline)
-    if s.advantage == "gae":
-        if rows is None or rows.old_values is None:
-            raise ValueError("advantage 'gae' needs the critic's values")
-        out = adv.gae(token_rewards, rows.old_values, loss_mask, s.gamma, s.lam, whiten=True)
-        rows.returns = out.returns
-        return out.advantages
-    raise ValueError(f"unknown advantage estimator '{s.advantage}'")
+        return lay.scatter(adv.reinforce_pp(rewards, mask, s.gamma, groups, baseline))
+    out = adv.gae(rewards, lay.gather(rows.old_values), mask, s.gamma, s.lam, whiten=True)
+    rows.returns = lay.scatter(out.returns)
+    return lay.scatter(out.advantages)
+
+
+class Layout:
+    """The valid trajectories' rows laid end to end: row tensors [B, T] <-> trajectory tensors [V, R * T],
+    R the most segments of one trajectory, V the valid trajectories (`valid`, indices into the N
+    trajectories). Rows come in trajectory order (as `to_rows` writes them); a trajectory's k-th row fills
+    columns [k * T, (k + 1) * T). Padding and non-policy positions stay masked, so the estimators' walks over
+    the policy tokens see one trajectory's tokens in order."""
+
+    def __init__(self, traj_index: torch.Tensor, n_traj: int, valid: torch.Tensor):
+        counts = torch.bincount(traj_index, minlength=n_traj)
+        first = torch.cumsum(counts, 0) - counts
+        self.slot = torch.arange(len(traj_index), device=traj_index.device) - first[traj_index]   # [B]
+        self.width = int(counts.max()) if len(counts) else 1
+        slot_of = torch.full((n_traj,), -1, dtype=torch.long, device=traj_index.device)
+        slot_of[valid] = torch.arange(len(valid), device=traj_index.device)
+        self.target = slot_of[traj_index]                                                         # [B], -1: masked
+        self.n_valid = len(valid)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:   # [B, T] -> [V, R * T]
+        B, T = x.shape
+        out = x.new_zeros(self.n_valid, self.width, T)
+        keep = self.target >= 0
+        out[self.target[keep], self.slot[keep]] = x[keep]
+        return out.reshape(self.n_valid, self.width * T)
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:  # [V, R * T] -> [B, T], 0 on masked trajectories
+        T = y.shape[1] // self.width
+        y = y.reshape(self.n_valid, self.width, T)
+        out = y.new_zeros(len(self.target), T)
+        keep = self.target >= 0
+        out[keep] = y[self.target[keep], self.slot[keep]]
+        return out
 
 
 def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | None,
@@ -113,7 +167,7 @@ def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | N
             else:
                 result, _ = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
                                              s.temperature, amp, fused_head=s.fused_head, select=mb.loss_mask > 0,
-                                             packed=packed, shared=shared)
+                                             packed=packed, shared=shared, exact=s.exact)
             out[index.to(out.device), :width] = result.float()
     return out
 
@@ -159,7 +213,7 @@ def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateS
     logprobs, entropy = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
                                          s.temperature, amp, with_entropy=True, entropy_grad=s.entropy_coef > 0,
                                          fused_head=s.fused_head, select=mb.loss_mask > 0, packed=packed,
-                                         shared=shared)
+                                         shared=shared, exact=s.exact)
     logprobs = logprobs.float()
     mask = mb.loss_mask
     if s.single_pass:
@@ -167,9 +221,12 @@ def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateS
         rows.old_logprobs[index.to(rows.old_logprobs.device), :mb.input_ids.shape[1]] = old
     else:
         old = mb.old_logprobs
-    weights = truncated_is_weights(old, mb.engine_logprobs, mask, s.tis_cap) if s.tis_cap else None
-    out = ppo_policy_loss(logprobs, old, mb.advantages, mask, s.clip_low, s.clip_high, s.dual_clip,
-                          s.loss_agg, normalizer, weights)
+    spec = s.correction_spec
+    corrected = correct(old, mb.engine_logprobs, mask, spec) if spec is not None else None
+    weights = corrected.weights if corrected is not None else None
+    full_mask, mask = mask, (corrected.keep if corrected is not None else mask)   # rejected tokens leave the loss
+    out = policy_loss(s.loss_mode, logprobs, old, mb.advantages, mask, s.clip_low, s.clip_high, s.dual_clip,
+                      s.loss_agg, normalizer, weights)
     loss = out.loss
     if s.needs_ref and not s.kl_in_reward:
         kl = kl_penalty(logprobs, mb.ref_logprobs, s.kl_type)
@@ -181,16 +238,17 @@ def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateS
         _add(stats, "entropy", masked_mean(entropy.detach().float(), mask))
     if critic is not None:
         values = forward_values(critic, mb.input_ids, mb.attention_mask, mb.position_ids, amp)
-        vloss, vclip = value_loss(values, mb.old_values, mb.returns, mask, s.value_clip, s.loss_agg, normalizer)
+        vloss, vclip = value_loss(values, mb.old_values, mb.returns, full_mask, s.value_clip, s.loss_agg, normalizer)
         loss = loss + s.value_coef * vloss
-        _add(stats, "loss/value", vloss * _share(mask, normalizer, s.loss_agg))
+        _add(stats, "loss/value", vloss * _share(full_mask, normalizer, s.loss_agg))
         _add(stats, "value_clip_fraction", vclip)
     loss.backward()
-    _add(stats, "loss/policy", out.loss * _share(mask, normalizer, s.loss_agg))
+    _add(stats, "loss/policy", out.loss * _share(full_mask, normalizer, s.loss_agg))
     _add(stats, "clip_fraction", out.clip_fraction)
     _add(stats, "approx_kl/old", out.approx_kl)
-    if weights is not None:
-        _add(stats, "tis/weight_mean", masked_mean(weights, mask))
+    if corrected is not None:
+        for key, value in corrected.metrics._asdict().items():
+            _add(stats, f"correction/{key}", value)
     return loss.detach()
 
 

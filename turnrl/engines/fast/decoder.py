@@ -24,6 +24,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from turnrl.exact import model as exact_model
+from turnrl.exact import ops as exact_ops
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -75,7 +78,7 @@ def unsupported_reason(model: Any, max_len: int) -> str | None:
 class SlotDecoder:
     """The model's forward over `slots` x `max_len` preallocated KV slots."""
 
-    def __init__(self, model: Any, slots: int, max_len: int):
+    def __init__(self, model: Any, slots: int, max_len: int, exact: bool = False):
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise ValueError(f"the fast engine does not support this model: {reason}")
@@ -91,10 +94,14 @@ class SlotDecoder:
         self.slots, self.max_len = slots, max_len
         device, dtype = self.embed.device, self.embed.dtype
         rotary = inner.rotary_emb
-        freqs = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)   # [max_len, head_dim]
-        self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
+        self.exact = exact   # turnrl.exact: batch-invariant ops, the trainer's forward (`exact_logprobs`)
+        if exact:
+            self.cos, self.sin = exact_model.rope_tables(rotary, max_len, dtype)
+        else:
+            freqs = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None]
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)   # [max_len, head_dim]
+            self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
         shape = (slots, self.shape.kv_heads, max_len, self.shape.head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
@@ -104,8 +111,18 @@ class SlotDecoder:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     # -- prefill (eager) ----------------------------------------------------------------------------
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """ids [n, T] right-padded, lengths [n], slots [n] (device) -> logits of each last token [n, V] float32."""
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor | None = None,
+                total: int = 0) -> torch.Tensor:
+        """ids [n, T] right-padded, lengths [n], slots [n] (device) -> logits of each last token [n, V] float32.
+
+        With `starts` [n], row i's tokens go at positions starts[i].. of its slot, whose positions [0, starts[i])
+        already hold the KV of the tokens before them (a prefix-cache hit); `total` is max(starts + lengths)."""
+        if self.exact:
+            if starts is not None:
+                raise ValueError("the exact prefill starts at position 0 (engine.exact has no prefix cache)")
+            return self.prefill_exact(ids, lengths, slots)
+        if starts is not None:
+            return self.prefill_after(ids, lengths, slots, starts, total)
         n, width = ids.shape
         cos, sin = self.cos[:width][None, :, None], self.sin[:width][None, :, None]
         x = F.embedding(ids, self.embed)
@@ -119,6 +136,50 @@ class SlotDecoder:
             x = post_attention(x, out.transpose(1, 2).reshape(n, width, -1), w, self.shape)
         last = x[torch.arange(n, device=x.device), lengths - 1]
         return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
+
+    def prefill_after(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                      total: int) -> torch.Tensor:
+        """`prefill` of rows that continue cached KV: each new token attends to its slot's positions up to its own."""
+        n, width = ids.shape
+        positions = (starts[:, None] + torch.arange(width, device=ids.device)[None]).clamp(max=self.max_len - 1)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]    # [n, T, 1, D]
+        visible = torch.arange(total, device=ids.device)[None, None] <= positions[:, :, None]   # [n, T, total]
+        x = F.embedding(ids, self.embed)
+        for w, keys, values in zip(self.layers, self.keys, self.values):
+            q, k, v = pre_attention(x, w, cos, sin, self.shape)            # [n, T, h, D]
+            keys[slots[:, None], :, positions] = k                          # padding lands past each row's end
+            values[slots[:, None], :, positions] = v
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[slots, :, :total], values[slots, :, :total],
+                                                 attn_mask=visible[:, None], scale=self.shape.scaling,
+                                                 enable_gqa=self.shape.heads != self.shape.kv_heads)
+            x = post_attention(x, out.transpose(1, 2).reshape(n, width, -1), w, self.shape)
+        last = x[torch.arange(n, device=x.device), lengths - 1]
+        return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
+
+    def copy_prefix(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Copy positions [0, length) of the slots `sources` [m] to the slots `targets` [m] (every layer)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[targets, :, :length] = keys[sources, :, :length]
+            values[targets, :, :length] = values[sources, :, :length]
+
+    def prefill_exact(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`prefill` through the exact forward: every prompt token's keys, values and logits are the bits the
+        trainer's `exact_logprobs` computes for it, whatever the other prompts."""
+        n, width = ids.shape
+        cos, sin = self.cos[:width][None, :, None], self.sin[:width][None, :, None]
+        qpos = torch.arange(width, device=ids.device).expand(n, width)
+        qpos = qpos.repeat_interleave(self.shape.heads // self.shape.kv_heads, dim=1)
+        x = F.embedding(ids, self.embed)
+        for w, keys, values in zip(self.layers, self.keys, self.values):
+            q, k, v = exact_model.pre_attention(x, w, cos, sin, self.shape)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)                     # [n, kv, T, D]
+            keys[slots, :, :width] = k
+            values[slots, :, :width] = v
+            out = exact_ops.attention(exact_model.grouped(q, self.shape.kv_heads), exact_ops.pad_keys(k),
+                                      exact_ops.pad_keys(v), qpos, self.shape.scaling)
+            x = exact_model.post_attention(x, exact_model.ungrouped(out, width), w, self.shape)
+        last = x[torch.arange(n, device=x.device), lengths - 1]
+        return exact_ops.head_logits(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
 
     # -- decode pieces --------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
@@ -216,6 +277,17 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 def decode_post(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                 n_kv: int, w: LayerWeights, shape: Shape) -> torch.Tensor:
     return post_attention(x, decode_attention(q, keys, values, pos, n_kv, shape.scaling), w, shape)
+
+
+def exact_decode_post(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      pos: torch.Tensor, n_kv: int, w: LayerWeights, shape: Shape) -> torch.Tensor:
+    """`decode_post` through the exact forward: q [B, heads, D] over the first n_kv cached positions."""
+    batch, heads, dim = q.shape
+    group = heads // shape.kv_heads
+    qpos = pos[:, None].expand(batch, group)
+    out = exact_ops.attention(q.view(batch, shape.kv_heads, group, dim), keys[:batch, :, :n_kv],
+                              values[:batch, :, :n_kv], qpos, shape.scaling)
+    return exact_model.post_attention(x, out.reshape(batch, heads * dim), w, shape)
 
 
 def head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None,

@@ -2,8 +2,10 @@
 
 One worker thread owns the GPU work, on its own CUDA stream. Each loop iteration:
 
-1. admission: queued requests go into free slots (lowest first), up to `prefill_tokens` padded prompt tokens
-   at a time; their prompts are prefilled eagerly into the slots' cache and their first tokens sampled;
+1. admission: queued requests go into slots (slots.py), up to `prefill_tokens` padded prompt tokens at a time;
+   what their slot does not hold yet is prefilled eagerly and their first tokens sampled. The slots are the
+   prefix cache: a trajectory's next turn continues the slot its last turn parked in (only the tool result or
+   user reply and the template glue are prefilled), and a group's samples copy the prompt KV of the first one;
 2. one decode step over the first B slots (B: the bucket above the highest occupied slot), attending to the
    first n_kv cache positions (n_kv: the 128-bucket above the longest possible live sequence). On the GPU the
    step for each (B, n_kv, truncation, greedy rows) is captured once as a CUDA graph and replayed; with
@@ -27,7 +29,6 @@ worker's stream: the graphs read the same parameter tensors, so they stay valid.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import time
 from collections import deque
@@ -37,9 +38,10 @@ from typing import Any, Iterable
 
 import torch
 
-from turnrl.engines.base import Completion, EngineError, Sampling
+from turnrl.engines.base import Capabilities, Completion, EngineError, Sampling
 from turnrl.engines.fast.decoder import SlotDecoder
-from turnrl.engines.fast.sampling import sample, seed_key
+from turnrl.engines.fast.sampling import sample, sample_exact, seed_key
+from turnrl.engines.fast.slots import Plan, SlotTable
 from turnrl.engines.fast.step import KV_BUCKET, DecodeStep, SlotState, batch_bucket
 from turnrl.engines.hf import resolve_device, resolve_dtype
 from turnrl.engines.worker import WorkerEngine
@@ -56,6 +58,9 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     aborted: bool = False
+    plan: Plan | None = None             # its slot and cached prefix, set when it is taken for admission
+    waited: bool = False                 # it waited once for a request sharing its prompt (slots.py)
+    version: int = 0                     # the weights it was prefilled with (set at admission)
 
     @property
     def truncates(self) -> bool:
@@ -97,7 +102,8 @@ class FastEngine(WorkerEngine):
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
                  max_len: int = 4096, gather_ms: float = 5.0, seed: int = 0, model: Any = None,
                  compile: bool | None = None, cuda_graphs: bool | None = None, prefill_tokens: int = 16384,
-                 max_stop_ids: int = 8, max_inflight: int = 4):
+                 max_stop_ids: int = 8, max_inflight: int = 4, exact: bool = False, prefix_cache: bool = False,
+                 partial_rollout: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -109,7 +115,13 @@ class FastEngine(WorkerEngine):
         if max_batch_size < 1 or max_len < 2 or prefill_tokens < 1 or max_stop_ids < 1 or max_inflight < 1:
             raise ValueError("max_batch_size, prefill_tokens, max_stop_ids and max_inflight must be >= 1, max_len >= 2")
         self.max_batch_size, self.max_len = max_batch_size, max_len
-        self.decoder = SlotDecoder(self.model, max_batch_size, max_len)
+        self.max_model_len = max_len
+        self.exact = exact   # engine.exact: the trainer's batch-invariant forward (turnrl/exact), eager
+        self.truncated_sampling = not exact
+        self.partial_rollout = partial_rollout   # new weights interrupt the running requests (rollout/resume.py)
+        self.capabilities = Capabilities(partial_rollout=True)
+        self._threads = torch.get_num_threads()   # CPU GEMMs partition by thread count: the trainer's count
+        self.decoder = SlotDecoder(self.model, max_batch_size, max_len, exact=exact)
         self.state = SlotState(max_batch_size, max_len, max_stop_ids, self.device)
         self.max_stop_ids, self.prefill_tokens, self.max_inflight = max_stop_ids, prefill_tokens, max_inflight
         self.gather_s = gather_ms / 1000
@@ -118,11 +130,14 @@ class FastEngine(WorkerEngine):
             raise ValueError("CUDA graphs need a CUDA device")
         self.notes: list[str] = []       # fallbacks taken (compile or capture failures), for reports
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
-                      "graph_replays": 0, "graphs": 0, "busy_s": 0.0}
+                      "graph_replays": 0, "graphs": 0, "busy_s": 0.0, "interrupted": 0}
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        self.step = DecodeStep(self.decoder, self.state, cuda if compile is None else compile, graphs, self._stream,
+        compile = (cuda if compile is None else compile) and not exact
+        self.step = DecodeStep(self.decoder, self.state, compile, graphs, self._stream,
                                self.notes)
-        self._free = list(range(max_batch_size))
+        # the prefix cache (slots.py): later turns continue their parked slot, groups copy a running prompt
+        self.slots = SlotTable(max_batch_size, enabled=prefix_cache and not exact)
+        self._cache_generation = self._cache_seen = 0   # bumped by weight updates: cached KV is stale
         self._occupied: dict[int, _Slot] = {}
         self._snapshots: deque[_Pending] = deque()
         self._fetches: deque[_Pending] = deque()
@@ -138,6 +153,8 @@ class FastEngine(WorkerEngine):
         if len(sampling.stop_token_ids) > self.max_stop_ids:
             raise EngineError(f"{len(sampling.stop_token_ids)} stop tokens; the fast engine takes at most "
                               f"{self.max_stop_ids}")
+        if self.exact and (sampling.top_k > 0 or sampling.top_p < 1.0):
+            raise EngineError("engine.exact samples from the full distribution: set top_p=1 and top_k=0")
         key = seed_key(self._seed_for(sampling))
         limit = min(sampling.max_tokens, self.max_len - len(prompt_ids))
         return await self._submit(lambda loop, future: _Request(list(prompt_ids), sampling, limit, key, loop, future))
@@ -156,25 +173,39 @@ class FastEngine(WorkerEngine):
                     params[name].copy_(tensor.to(params[name].device, params[name].dtype))
             if self._stream is not None:
                 self._stream.synchronize()   # the sources may be freed once we return
-        self.version = version
+            self._cache_generation += 1      # the worker drops the cached KV before its next admission
+            self.version = version           # with partial_rollout, the worker interrupts older requests first
+
+    async def reset_prefix_cache(self) -> None:
+        with self._weights_lock:
+            self._cache_generation += 1
 
     # -- worker --------------------------------------------------------------------------------------
     def _worker(self) -> None:
         torch.set_grad_enabled(False)
+        if self.exact:
+            torch.set_num_threads(self._threads)
         with nullcontext() if self._stream is None else torch.cuda.stream(self._stream):
             while not self._closed:
                 fresh: list[_Request] = []
                 try:
                     idle = not self._occupied and not self._snapshots and not self._fetches
-                    fresh = self._take(block=idle)
+                    fresh = self._take(self._fits, block=idle)
                     if self._closed:
+                        self.slots.cancel()
                         for req in fresh:
                             self._resolve(req, exc=EngineError("engine closed"))
                         break
                     start = time.perf_counter()
                     with self._weights_lock:
+                        stale = self._cache_generation != self._cache_seen
+                        if stale:   # planned against KV of the old weights: prefill in full, forget the cache
+                            self._cache_seen = self._cache_generation
+                            self.slots.drop_cached()
+                        if self.partial_rollout and any(x.req.version != self.version for x in self._occupied.values()):
+                            self._interrupt()
                         if fresh:
-                            self._admit(fresh)
+                            self._admit(fresh, reuse=not stale)
                         if self._occupied:
                             self._decode()
                         if fresh or self._occupied:
@@ -186,27 +217,19 @@ class FastEngine(WorkerEngine):
                     self._fail_all(EngineError(f"fast engine step failed: {type(exc).__name__}: {exc}"), fresh)
         self._fail_all(EngineError("engine closed"), list(self._pending))
 
-    def _take(self, block: bool) -> list[_Request]:
-        with self._cv:
-            if block:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-        if block and self.gather_s > 0:
-            time.sleep(self.gather_s)  # let concurrent trajectories join the same prefill
-        with self._cv:
-            out: list[_Request] = []
-            width = 0
-            while self._pending and len(out) < len(self._free):
-                req = self._pending[0]
-                if req.aborted:
-                    self._pending.popleft()
-                    continue
-                wider = max(width, len(req.prompt))
-                if out and wider * (len(out) + 1) > self.prefill_tokens:
-                    break
-                out.append(self._pending.popleft())
-                width = wider
-            return out
+    def _fits(self, taken: list[_Request], req: _Request) -> bool | None:
+        """Another request joins this prefill while a slot is free and the padded prefill stays in budget;
+        None: it waits for the next admission (it shares its prompt with one taken now, see slots.py)."""
+        if not self.slots.available():
+            return False
+        width = max([len(r.prompt) for r in taken] + [len(req.prompt)])
+        if taken and width * (len(taken) + 1) > self.prefill_tokens:
+            return False
+        req.plan = self.slots.plan(req.prompt, may_wait=not req.waited)
+        if req.plan is None:
+            req.waited = True
+            return None
+        return True
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
@@ -214,15 +237,27 @@ class FastEngine(WorkerEngine):
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _admit(self, reqs: list[_Request]) -> None:
-        """Prefill new requests into free slots and sample their first tokens."""
-        slots = [heapq.heappop(self._free) for _ in reqs]
+    def _admit(self, reqs: list[_Request], reuse: bool = True) -> None:
+        """Prefill new requests into their planned slots (only what the slot does not hold yet) and sample
+        their first tokens. `reuse` False: the plans' cached prefixes are stale, prefill everything."""
+        plans = self.slots.commit(reuse)
+        slots = [plan.slot for plan in plans]
         for slot, req in zip(slots, reqs):
+            req.version = self.version
             self._occupied[slot] = _Slot(req, self._seq)
         self._seq += 1
-        width = max(len(r.prompt) for r in reqs)
-        ids = self._to_device([r.prompt + [0] * (width - len(r.prompt)) for r in reqs], torch.int64)
-        lengths = self._to_device([len(r.prompt) for r in reqs], torch.int64)
+        copies = [(plan.source, plan.slot, plan.start) for plan in plans if plan.source is not None]
+        if copies:
+            self.decoder.copy_prefix(self._to_device([c[0] for c in copies], torch.int64),
+                                     self._to_device([c[1] for c in copies], torch.int64), max(c[2] for c in copies))
+        new = [r.prompt[plan.start:] for r, plan in zip(reqs, plans)]
+        width = max(len(ids) for ids in new)
+        ids = self._to_device([part + [0] * (width - len(part)) for part in new], torch.int64)
+        lengths = self._to_device([len(part) for part in new], torch.int64)
+        full = self._to_device([len(r.prompt) for r in reqs], torch.int64)
+        starts = None
+        if any(plan.start for plan in plans):
+            starts = self._to_device([plan.start for plan in plans], torch.int64)
         idx = self._to_device(slots, torch.int64)
         temperature = self._to_device([r.sampling.temperature for r in reqs], torch.float32)
         top_p = self._to_device([r.sampling.top_p for r in reqs], torch.float32)
@@ -233,11 +268,14 @@ class FastEngine(WorkerEngine):
         stop = self._to_device([ids + [-1] * (self.max_stop_ids - len(ids)) for ids in stop_ids], torch.int64)
         s = self.state
         for target, values in ((s.temperature, temperature), (s.top_p, top_p), (s.top_k, top_k), (s.key, key),
-                               (s.max_tokens, max_tokens), (s.stop, stop), (s.pos, lengths)):
+                               (s.max_tokens, max_tokens), (s.stop, stop), (s.pos, full)):
             target.index_copy_(0, idx, values)
-        logits = self.decoder.prefill(ids, lengths, idx)
-        tokens, logprobs = sample(logits, temperature, key, torch.zeros_like(key), top_k, top_p,
-                                  any(r.truncates for r in reqs), any(r.greedy for r in reqs))
+        logits = self.decoder.prefill(ids, lengths, idx, starts, max(len(r.prompt) for r in reqs))
+        if self.exact:
+            tokens, logprobs = sample_exact(logits, temperature, key, torch.zeros_like(key))
+        else:
+            tokens, logprobs = sample(logits, temperature, key, torch.zeros_like(key), top_k, top_p,
+                                      any(r.truncates for r in reqs), any(r.greedy for r in reqs))
         first = torch.zeros_like(idx)
         s.out_tokens.index_put_((idx, first), tokens)
         s.out_logprobs.index_put_((idx, first), logprobs)
@@ -246,8 +284,9 @@ class FastEngine(WorkerEngine):
         s.active.index_copy_(0, idx, still)
         s.last.index_copy_(0, idx, tokens)
         s.status.index_copy_(0, idx, torch.where(still, 1, -2))
-        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["prefill_tokens"] += sum(len(part) for part in new)
         self.stats["requests"] += len(reqs)
+        self.stats.update(self.slots.stats)
 
     # -- the decode step ------------------------------------------------------------------------------
     def _decode(self) -> None:
@@ -300,13 +339,13 @@ class FastEngine(WorkerEngine):
                 continue                            # admitted after this snapshot was taken
             if slot.req.aborted:
                 aborted.append(index)
-                self._resolve(slot.req, Completion([], [], "abort"))
+                self.slots.finished(index, None)
+                self._resolve(slot.req, Completion([], [], "abort", slot.req.version))
             elif status[index] < 0:
-                done.append((index, slot.req, -1 - status[index]))
+                done.append((index, slot.req, -1 - status[index]))   # the slot is parked or freed on delivery
             else:
                 continue
             del self._occupied[index]
-            heapq.heappush(self._free, index)
         if aborted:
             self.state.active.index_fill_(0, self._to_device(aborted, torch.int64), False)
         if done:
@@ -318,28 +357,52 @@ class FastEngine(WorkerEngine):
             if self._stream is not None:
                 tokens, logprobs = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
             self._fetches.append(_Pending(self._seq, (tokens, logprobs), self._record(),
-                                          [(req, n) for _, req, n in done]))
+                                          [(index, req, n) for index, req, n in done]))
 
     def _deliver(self, fetch: _Pending) -> None:
         tokens, logprobs = (t.tolist() for t in fetch.data)
-        for row, (req, n) in enumerate(fetch.extra):
+        for row, (index, req, n) in enumerate(fetch.extra):
             out, lps = tokens[row][:n], logprobs[row][:n]
             reason = "stop" if out and out[-1] in req.sampling.stop_token_ids else "length"
             self.stats["generated_tokens"] += n
-            self._resolve(req, Completion(out, lps, reason))
+            # the slot holds the KV of the prompt and all sampled tokens but the last two: the last was never
+            # fed, and the one before sits where the idle slot's decode rows keep writing (its `pos`)
+            self.slots.finished(index, req.prompt + out[:max(n - 2, 0)] if self.slots.enabled else None)
+            self._resolve(req, Completion(out, lps, reason, req.version))
+
+    def _interrupt(self) -> None:
+        """Return the requests running on older weights with what they sampled ("interrupted"): everything
+        in flight is read first, so requests that finished meanwhile finish as usual."""
+        self._collect(wait=True)
+        stale = [(i, x.req) for i, x in self._occupied.items() if x.req.version != self.version]
+        if not stale:
+            return
+        s = self.state
+        idx = self._to_device([i for i, _ in stale], torch.int64)
+        s.active.index_fill_(0, idx, False)
+        counts = s.count.index_select(0, idx).tolist()
+        tokens = s.out_tokens.index_select(0, idx).tolist()
+        logprobs = s.out_logprobs.index_select(0, idx).tolist()
+        for row, (index, req) in enumerate(stale):
+            n = counts[row]
+            del self._occupied[index]
+            self.slots.finished(index, None)    # its KV is the old weights': nothing to park
+            self.stats["generated_tokens"] += n
+            self.stats["interrupted"] += 1
+            self._resolve(req, Completion(tokens[row][:n], logprobs[row][:n], "interrupted", req.version))
 
     def _fail_all(self, exc: Exception, extra: list[_Request]) -> None:
         for slot in self._occupied.values():
             self._resolve(slot.req, exc=exc)
         for fetch in self._fetches:
-            for req, _ in fetch.extra:
+            for _, req, _ in fetch.extra:
                 self._resolve(req, exc=exc)
         for req in extra:
             self._resolve(req, exc=exc)
         self._occupied.clear()
         self._snapshots.clear()
         self._fetches.clear()
-        self._free = list(range(self.max_batch_size))
+        self.slots.reset()
         try:
             self.state.active.zero_()
         except Exception:  # noqa: BLE001 - a broken device: nothing more to reset

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from turnrl.exact import ops as exact_ops
+
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D)   # odd, < 2**31
 _SALTS = (0x1B56C4E9, 0x68E31DA4)          # keep seed and counter hashes apart (mix(0) is 0)
@@ -88,3 +90,30 @@ def _truncate(weights: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor, t
     keep &= (before < top_p.unsqueeze(1) * total) | (top_p >= 1).unsqueeze(1)
     keep |= ranks == 0
     return torch.zeros_like(weights).scatter(1, order, ordered * keep)
+
+
+def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor, counter: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for engine.exact (no top-k/top-p): every reduction is batch-invariant (turnrl.exact).
+
+    The token is found by descending the fixed pairwise tree of exp(scaled - max) that the log-sum-exp uses
+    (`turnrl.exact.ops.tree_levels`), from the root towards the leaf whose cumulative weight passes u * total:
+    inverse-CDF sampling with no scan, whose order would depend on the batch. Greedy rows take the first
+    maximal logit. The logprob is `turnrl.exact.ops.token_logprobs`, the trainer's computation."""
+    greedy = temperature == 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    tree = exact_ops.softmax_tree(logits, temp)
+    scaled, _, levels = tree
+    target = uniform(key, counter) * levels[-1][:, 0]
+    index = torch.zeros_like(key)
+    for j in range(len(levels) - 1, 0, -1):
+        left = levels[j - 1].gather(1, index[:, None]).squeeze(1)
+        right = target >= left
+        target = torch.where(right, target - left, target)
+        index = torch.where(right, index + levels[j].shape[-1], index)
+    best = scaled.argmax(dim=-1)
+    # rounding can walk past the last positive weight (u * total rounding up to total): take the mode then
+    index = torch.where(levels[0].gather(1, index[:, None]).squeeze(1) > 0, index, best)
+    tokens = torch.where(greedy, best, index)
+    logprobs, _, _ = exact_ops.token_logprobs(logits, tokens, temp, tree, entropy=False)
+    return tokens, logprobs

@@ -20,8 +20,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from turnrl.engines.fast.decoder import SlotDecoder, decode_post, head, pre_attention
-from turnrl.engines.fast.sampling import sample
+from turnrl.engines.fast.decoder import SlotDecoder, decode_post, exact_decode_post, head, pre_attention
+from turnrl.engines.fast.sampling import sample, sample_exact
+from turnrl.exact import model as exact_model
+from turnrl.exact import ops as exact_ops
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,14 @@ class SlotState:
 def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_bias: torch.Tensor | None,
                 eps: float, temperature: torch.Tensor, key: torch.Tensor, count: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, active: torch.Tensor, stop: torch.Tensor, max_tokens: torch.Tensor,
-                last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool) -> tuple[torch.Tensor, ...]:
+                last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool, exact: bool = False
+                ) -> tuple[torch.Tensor, ...]:
     """Head, sampling and the stop/length bookkeeping of one decode step (pure; the caller stores it)."""
-    tokens, logprobs = sample(head(x, norm, lm_head, lm_bias, eps), temperature, key, count, top_k, top_p, truncate,
-                              greedy)
+    if exact:
+        tokens, logprobs = sample_exact(exact_ops.head_logits(x, norm, lm_head, lm_bias, eps), temperature, key, count)
+    else:
+        tokens, logprobs = sample(head(x, norm, lm_head, lm_bias, eps), temperature, key, count, top_k, top_p,
+                                  truncate, greedy)
     count_after = count + active.long()
     done = active & ((tokens[:, None] == stop).any(dim=1) | (count_after >= max_tokens))
     still = active & ~done
@@ -102,16 +108,18 @@ class DecodeStep:
     def _make_units(self, compiled: bool) -> dict[str, Callable]:
         shape, d = self.decoder.shape, self.decoder
 
+        exact = d.exact
+
         def pre(x, w, cos, sin):
-            return pre_attention(x, w, cos, sin, shape)
+            return (exact_model.pre_attention if exact else pre_attention)(x, w, cos, sin, shape)
 
         def post(x, q, keys, values, pos, n_kv, w):
-            return decode_post(x, q, keys, values, pos, n_kv, w, shape)
+            return (exact_decode_post if exact else decode_post)(x, q, keys, values, pos, n_kv, w, shape)
 
         def finish(x, temperature, key, count, top_k, top_p, active, stop, max_tokens, last, pos, truncate, greedy):
             return finish_step(x, d.norm, d.lm_head, d.lm_head_bias, shape.eps, temperature, key, count, top_k,
-                               top_p, active, stop, max_tokens, last, pos, truncate, greedy)
-        if not compiled:
+                               top_p, active, stop, max_tokens, last, pos, truncate, greedy, exact)
+        if not compiled or exact:   # exact: eager kernels, the trainer's (a compiler may fuse and round otherwise)
             return {"pre": pre, "post": post, "finish": finish}
         for table in d.keys + d.values + [d.cos, d.sin]:
             torch._dynamo.mark_static(table)      # fixed shapes: only batch and n_kv vary between steps

@@ -26,6 +26,7 @@ from turnrl.config.loader import ConfigError, build
 from turnrl.config.schema import LLMConfig
 from turnrl.env.interactions import Reply
 from turnrl.llm.client import json_objects
+from turnrl.llm.pool import client
 
 PROMPT = """You are playing a user who is chatting with an AI assistant. Stay in character: you are the user, \
 never the assistant.
@@ -73,7 +74,6 @@ def parse_reply(text: str, marker: str) -> tuple[str, bool, str]:
 
 class LLMUser:
     def __init__(self, **config: Any):
-        from turnrl.llm.pool import client
         self.cfg = build(UserConfig, config, prefix="llm_user config")
         template = PROMPT
         if self.cfg.prompt is not None:

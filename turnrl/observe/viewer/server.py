@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from turnrl.config.secrets import redact
 from turnrl.observe.viewer.detail import TokenText, source_css, trajectory_detail
 from turnrl.observe.viewer.index import RunIndex
 
@@ -60,11 +61,23 @@ def page(data: dict[str, Any] | None = None) -> str:
     return PAGE.read_text(encoding="utf-8").replace("/*SOURCE_CSS*/", source_css()).replace("/*DATA*/", embedded)
 
 
-def make_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
+def host_name(header: str) -> str:
+    """The host of a Host header: `[::1]:8080` -> `::1`, `localhost:80` -> `localhost`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def make_handler(viewer: Viewer, check_host: bool = True) -> type[BaseHTTPRequestHandler]:
     html = page().encode()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            if check_host and not is_loopback(host_name(self.headers.get("Host", ""))):
+                # DNS rebinding: a page from another site, its name re-pointed at 127.0.0.1, would read ours
+                return self._json(403, {"error": "Host must be a loopback name (localhost, 127.0.0.1, [::1]); "
+                                                 "serve with --allow-remote to accept others"})
             url = urlparse(self.path)
             parts = [p for p in url.path.split("/") if p]
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -96,7 +109,8 @@ def make_handler(viewer: Viewer) -> type[BaseHTTPRequestHandler]:
             raise KeyError(f"no such endpoint: /api/{'/'.join(parts)}")
 
         def _json(self, status: int, value: Any) -> None:
-            self._send(status, json.dumps(value).encode(), "application/json")
+            # redacted again: a file written by an older turnrl, or before a secret was set, may hold one
+            self._send(status, redact(json.dumps(value)).encode(), "application/json")
 
         def _send(self, status: int, body: bytes, kind: str) -> None:
             self.send_response(status)
@@ -132,7 +146,7 @@ def make_server(viewer: Viewer, host: str = "127.0.0.1", port: int = 0,
               "(prompts, data, model outputs) are readable by anyone who can reach this port", file=sys.stderr)
     server_class = type("ViewerServer", (ThreadingHTTPServer,), {
         "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET, "daemon_threads": True})
-    return server_class((host, port), make_handler(viewer))
+    return server_class((host, port), make_handler(viewer, check_host=not allow_remote))
 
 
 def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 0, per_step: int = 32,

@@ -1,4 +1,5 @@
-"""`turnrl rollout`: run the configured tasks through the agent loop and save the trajectories."""
+"""`turnrl rollout` (and RFT's collection rounds): run the configured tasks through the agent loop, score them
+and save the trajectories."""
 
 from __future__ import annotations
 
@@ -6,43 +7,38 @@ import json
 from pathlib import Path
 from typing import Any
 
-from turnrl.config import Config, dump_yaml
+from turnrl.config import Config, ConfigError, dump_yaml
 from turnrl.data import load_dataset
+from turnrl.engines.logs import route_engine_logs
 from turnrl.ledger import Source
 from turnrl.llm import close_all as close_llm_clients
 from turnrl.models import resolve
 from turnrl.observe.progress import Progress
 from turnrl.observe.store import write_trajectories
-from turnrl.rewards.collab import RolloutContext, conversation_reward
-from turnrl.rewards.functions import RewardFunction, bind_rollout, load_reward_function, score_all
+from turnrl.rewards.build import reward_functions
+from turnrl.rewards.collab import RolloutContext
+from turnrl.rewards.functions import score_all
 from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template
 from turnrl.rollout.scheduler import Timer, run_batch, summarize
 
 
-def reward_functions(cfg: Config) -> list[Any]:
-    """The configured functions, then the LLM judge (part `judge`) when `reward.judge` is set."""
-    weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
-    kwargs = cfg.reward.function_kwargs or [{}] * len(cfg.reward.functions)
-    functions = [load_reward_function(name, w, kw) for name, w, kw in zip(cfg.reward.functions, weights, kwargs)]
-    if cfg.reward.judge is not None:
-        functions.append(RewardFunction("judge", conversation_reward(cfg.reward.judge), cfg.reward.judge.weight))
-    return functions
-
-
 async def rollout_to_dir(cfg: Config, out: Path, limit: int | None = None, min_reward: float | None = None
                          ) -> dict[str, Any]:
+    if cfg.agent is not None:
+        raise ConfigError("turnrl rollout runs the built-in agent loop; an 'agent:' config rolls out in turnrl train "
+                         "(or serve it: turnrl serve CFG --record DIR, and run your agent against it).")
     d = cfg.data.train
     tasks = load_dataset(d.path, d.task, d.size, d.seed, d.options, d.max_rows)[:limit]
     model_path = resolve(cfg.model.name)
-    template = load_template(model_path)
+    template = load_template(model_path, cfg.model.chat_template, cfg.model.chat_template_kwargs)
     env = build_environment(cfg.rollout)
-    functions = reward_functions(cfg)
+    route_engine_logs(cfg.engine.kind, out, cfg.logging.engine_logs)
     engine = build_engine(cfg.engine, model_path)
-    bind_rollout(functions, RolloutContext(engine, template, env, cfg.rollout, cfg.seed))
+    functions = reward_functions(cfg, RolloutContext(engine, template, env, cfg.rollout, cfg.seed))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     progress = Progress(len(tasks) * cfg.rollout.n, "rollout", cfg.logging.progress,
-                        in_flight=lambda: getattr(engine, "in_flight", 0))
+                        in_flight=lambda: engine.in_flight)
     try:
         loop = build_loop(cfg.rollout, engine, template, env, cfg.seed)
         timer = Timer()

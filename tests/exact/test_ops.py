@@ -1,0 +1,84 @@
+"""The batch-invariant ops: a row's result is the same bits alone, inside a larger call, at another place."""
+
+import pytest
+import torch
+
+from turnrl.exact import ops
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_do_not_depend_on_the_batch(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 96, generator=g).to(device, dtype)
+    x = torch.randn(300, 96, generator=g).to(device, dtype)
+    full = ops.linear(x, w)
+    for rows in (slice(7, 8), slice(0, 5), slice(100, 263)):
+        assert torch.equal(ops.linear(x[rows], w), full[rows])
+    assert torch.allclose(full.float(), (x.float() @ w.float().T), atol=0.5 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_tree_sum_ignores_trailing_zeros_and_matches_sum():
+    x = torch.randn(5, 37, dtype=torch.float64)
+    padded = torch.cat([x, torch.zeros(5, 90, dtype=torch.float64)], dim=1)
+    assert torch.equal(ops.tree_sum(x), ops.tree_sum(padded))
+    assert torch.allclose(ops.tree_sum(x), x.sum(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_query_is_the_same_in_prefill_decode_and_a_longer_cache(device):
+    g = torch.Generator().manual_seed(1)
+    r, kv, group, d, t = 3, 2, 3, 16, 150
+    q = torch.randn(r, kv, t * group, d, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(r, kv, 192, d, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(r, kv, 192, d, generator=g).to(device, torch.bfloat16)
+    qpos = torch.arange(t, device=device).repeat_interleave(group).expand(r, -1)
+    full = ops.attention(q, k, v, qpos, 0.25)
+    # decode: the queries of position 100 of row 1 alone, over a cache of another length (stale keys past it)
+    pos = 100
+    sl = slice(pos * group, (pos + 1) * group)
+    longer = torch.cat([k[1:2], torch.randn(1, kv, 64, d, generator=g).to(device, torch.bfloat16)], dim=2)
+    vlonger = torch.cat([v[1:2], torch.randn(1, kv, 64, d, generator=g).to(device, torch.bfloat16)], dim=2)
+    one = ops.attention(q[1:2, :, sl], longer, vlonger, qpos[1:2, sl], 0.25)
+    assert torch.equal(one, full[1:2, :, sl])
+    short = ops.attention(q[1:2, :, sl], k[1:2, :, :128], v[1:2, :, :128], qpos[1:2, sl], 0.25)
+    assert torch.equal(short, full[1:2, :, sl])
+    # and it is attention: against a plain causal softmax
+    s = (q.float() @ k.float().transpose(-1, -2)) * 0.25
+    s = s.masked_fill(torch.arange(192, device=device)[None, None, None] > qpos[:, None, :, None], float("-inf"))
+    ref = torch.softmax(s, -1) @ v.float()
+    assert torch.allclose(full.float(), ref, atol=2e-2)
+
+
+def test_attention_and_linear_gradients_are_the_plain_ones():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 1, 8, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 1, 64, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 1, 64, 16, generator=g, requires_grad=True)
+    qpos = torch.arange(8)[None]
+    ops.attention(q, k, v, qpos, 0.25).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    s = (q @ k.transpose(-1, -2) * 0.25).masked_fill(torch.arange(64)[None] > qpos[0][:, None], float("-inf"))
+    (torch.softmax(s, -1) @ v).sum().backward()
+    for a, t in zip(got, (q, k, v)):
+        assert torch.allclose(a, t.grad, atol=1e-5)
+
+
+def test_head_logprobs_match_log_softmax_and_its_gradient():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(40, 32, generator=g, requires_grad=True)
+    w = torch.randn(1000, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 1000, (40,), generator=g)
+    lp, ent = ops.head_logprobs(h, w, labels, 0.7, chunk=16)
+    ref = torch.log_softmax((h @ w.T) / 0.7, -1)
+    assert torch.allclose(lp, ref.gather(1, labels[:, None])[:, 0], atol=1e-4)
+    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-3)
+    lp.sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref.gather(1, labels[:, None]).sum().backward()
+    assert torch.allclose(gh, h.grad, atol=1e-4) and torch.allclose(gw, w.grad, atol=1e-4)
