@@ -27,6 +27,27 @@ def test_tree_sum_ignores_trailing_zeros_and_matches_sum():
     assert torch.allclose(ops.tree_sum(x), x.sum(-1))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tree_sum_kernel_is_the_plain_tree_bit_for_bit():
+    """On CUDA `tree_sum` is one Triton kernel (`triton_ops`): the same bits as the level-by-level tree, for a
+    row alone or among many, and the plain gradient."""
+    from turnrl.exact import triton_ops
+    if not triton_ops.usable(torch.zeros(1, 4, device="cuda")):
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 2, 3, 37, 64, 896, 1024, 4096):
+        x = (torch.randn(300, n, generator=g) * torch.logspace(-30, 30, n)).to("cuda")
+        plain = ops.tree_levels(x)[-1][..., 0]
+        fused = ops.tree_sum(x)
+        assert torch.equal(fused, plain), n
+        assert torch.equal(ops.tree_sum(x[7:8]), plain[7:8]) and torch.equal(ops.tree_sum(x[5:263]), plain[5:263])
+    y = torch.randn(3, 8, 5, generator=g).to("cuda")
+    assert torch.equal(ops.tree_sum(y, -2), ops.tree_levels(y.movedim(-2, -1))[-1][..., 0])
+    w = torch.randn(4, 896, generator=g).to("cuda").requires_grad_()
+    (ops.tree_sum(w) * torch.arange(4.0, device="cuda")).sum().backward()
+    assert torch.equal(w.grad, torch.arange(4.0, device="cuda")[:, None].expand(4, 896))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_query_is_the_same_in_prefill_decode_and_a_longer_cache(device):
     g = torch.Generator().manual_seed(1)

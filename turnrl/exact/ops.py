@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from turnrl.exact import triton_ops
+
 KEY_BLOCK = 64   # attention reads keys in blocks of this many, at absolute positions [j * 64, (j + 1) * 64)
 QUERY_TILE = 16  # attention GEMMs take this many query rows (query heads x positions) at a time
 
@@ -40,8 +42,12 @@ def tree_levels(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over `dim` in the fixed pairwise-tree order of `tree_levels`."""
-    return tree_levels(x.movedim(dim, -1))[-1][..., 0]
+    """Sum over `dim` in the fixed pairwise-tree order of `tree_levels` (on CUDA one Triton kernel with the
+    same adds in the same order: `triton_ops`)."""
+    x = x.movedim(dim, -1)
+    if triton_ops.usable(x):
+        return triton_ops.tree_sum_last(x)
+    return tree_levels(x)[-1][..., 0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
