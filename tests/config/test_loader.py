@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import typing
 
 import pytest
@@ -354,3 +355,12 @@ def test_random_overrides_only_raise_config_error(overrides):
 def test_removed_keys_say_what_to_do_instead(override, advice):
     msg = error_of(overrides=[override])
     assert "was removed" in msg and advice in msg
+
+
+@pytest.mark.parametrize("name", ["\x85", "a\x85b", "run\u2028two", "tab\there", "bell\x07", "line\nbreak", "é ü"])
+def test_dumped_yaml_brings_back_strings_with_line_separators_and_control_characters(name):
+    """PyYAML writes '\\x85' single-quoted and reads it back as ' ' (found by tests/reliability/test_fuzz.py):
+    such strings are written double-quoted, with escapes."""
+    cfg = config_from_dict({}, [f"logging.run_name={json.dumps(name)}"])
+    assert cfg.logging.run_name == name
+    assert config_from_dict(yaml.safe_load(dump_yaml(cfg, redact=False))) == cfg

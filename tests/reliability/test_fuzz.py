@@ -145,7 +145,9 @@ def test_valid_overrides_round_trip_through_the_dumped_yaml(pairs):
 @given(st.text(st.characters(exclude_categories=("Cs",)), min_size=8, max_size=30).map(lambda s: f"sk-{s}-end"),
        st.lists(st.text(max_size=12), max_size=3))
 def test_a_secret_never_shows_in_dumps_or_errors(secret, junk):
-    quoted = json.dumps(secret, ensure_ascii=False)  # a JSON string is YAML: the secret arrives as it is
+    quoted = json.dumps(secret, ensure_ascii=False)  # a JSON string is YAML: the secret arrives as it is,
+    for c in "\x85\u2028\u2029":                      # except YAML's own line breaks, which fold to a space
+        quoted = quoted.replace(c, f"\\u{ord(c):04x}")
     try:
         cfg = config_from_dict({}, [f"logging.wandb_api_key={quoted}", *junk])
     except ConfigError as exc:

@@ -313,5 +313,19 @@ def is_reference(value: Any) -> bool:
     return isinstance(value, str) and value.startswith(("env:", "file:")) and len(value.split(":", 1)[1]) > 0
 
 
+class _Dumper(yaml.SafeDumper):
+    """Strings with characters PyYAML's plain or single-quoted styles do not bring back (a NEL, U+2028/2029
+    line separators, control characters) are written double-quoted, with escapes: '\x85' single-quoted reads
+    back as ' '."""
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    odd = not value.isprintable() or any(c in value for c in "\x85\u2028\u2029")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"' if odd else None)
+
+
+_Dumper.add_representer(str, _string)
+
+
 def dump_yaml(obj: Any, redact: bool = True) -> str:
-    return yaml.safe_dump(to_dict(obj, redact), sort_keys=False, allow_unicode=True)
+    return yaml.dump(to_dict(obj, redact), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
