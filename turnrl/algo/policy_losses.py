@@ -73,6 +73,19 @@ def _weights(is_weights: Tensor | None, mask: Tensor, m: Tensor) -> Tensor | Non
     return zero_unmasked(is_weights.detach(), m)
 
 
+def _weighted_loss(loss_mat: Tensor, is_weights: Tensor | None, mask: Tensor, m: Tensor, agg: AggMode,
+                   normalizer: float | int | Tensor | None) -> Tensor:
+    """The per-token loss times the rollout-correction weights (when given), aggregated."""
+    w = _weights(is_weights, mask, m)
+    return aggregate(loss_mat if w is None else loss_mat * w, m, agg, normalizer)
+
+
+def _output(loss: Tensor, clip_fraction: Tensor, approx_kl: Tensor, ratio_mean: Tensor) -> PolicyLossOutput:
+    """These losses have no dual clip: its share is zero."""
+    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl, ratio_mean=ratio_mean,
+                            dual_clip_fraction=torch.zeros((), dtype=approx_kl.dtype, device=approx_kl.device))
+
+
 def gspo_policy_loss(
     logprobs: Tensor,  # [B, T] current policy, differentiable
     old_logprobs: Tensor,  # [B, T]
@@ -96,20 +109,10 @@ def gspo_policy_loss(
     adv = zero_unmasked(advantages.detach(), m)
     unclipped = -adv * s
     clipped = -adv * s.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_mat = torch.maximum(unclipped, clipped)
-    w = _weights(is_weights, mask, m)
-    if w is not None:
-        loss_mat = loss_mat * w
-    loss = aggregate(loss_mat, m, agg, normalizer)
+    loss = _weighted_loss(torch.maximum(unclipped, clipped), is_weights, mask, m, agg, normalizer)
     with torch.no_grad():
-        floats = s.dtype
-        return PolicyLossOutput(
-            loss=loss,
-            clip_fraction=masked_mean((clipped > unclipped).to(floats), m),
-            approx_kl=masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, m),
-            ratio_mean=masked_mean(s.detach(), m),
-            dual_clip_fraction=torch.zeros((), dtype=floats, device=s.device),
-        )
+        return _output(loss, masked_mean((clipped > unclipped).to(s.dtype), m),
+                       masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, m), masked_mean(s.detach(), m))
 
 
 def cispo_policy_loss(
@@ -131,20 +134,10 @@ def cispo_policy_loss(
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     adv = zero_unmasked(advantages.detach(), m)
-    loss_mat = -weight * adv * lp
-    w = _weights(is_weights, mask, m)
-    if w is not None:
-        loss_mat = loss_mat * w
-    loss = aggregate(loss_mat, m, agg, normalizer)
+    loss = _weighted_loss(-weight * adv * lp, is_weights, mask, m, agg, normalizer)
     with torch.no_grad():
-        floats = ratio.dtype
-        return PolicyLossOutput(
-            loss=loss,
-            clip_fraction=masked_mean((weight != ratio).to(floats), m),
-            approx_kl=masked_mean(ratio - 1.0 - log_ratio, m),
-            ratio_mean=masked_mean(ratio, m),
-            dual_clip_fraction=torch.zeros((), dtype=floats, device=ratio.device),
-        )
+        return _output(loss, masked_mean((weight != ratio).to(ratio.dtype), m),
+                       masked_mean(ratio - 1.0 - log_ratio, m), masked_mean(ratio, m))
 
 
 def gmpo_policy_loss(
@@ -180,15 +173,10 @@ def gmpo_policy_loss(
     count = has.sum().clamp(min=1).to(seq_loss.dtype)
     loss = seq_loss.sum() / (count if normalizer is None else normalizer)
     with torch.no_grad():
-        floats = log_ratio.dtype
         clipped = (log_ratio != bounded) & m
-        return PolicyLossOutput(
-            loss=loss,
-            clip_fraction=masked_sum(clipped.to(floats), m) / m.sum().clamp(min=1),
-            approx_kl=masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, m),
-            ratio_mean=masked_mean(torch.exp(seq_log)[:, None].expand_as(log_ratio), m),
-            dual_clip_fraction=torch.zeros((), dtype=floats, device=log_ratio.device),
-        )
+        return _output(loss, masked_sum(clipped.to(log_ratio.dtype), m) / m.sum().clamp(min=1),
+                       masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, m),
+                       masked_mean(torch.exp(seq_log)[:, None].expand_as(log_ratio), m))
 
 
 PolicyLoss = Callable[..., PolicyLossOutput]
