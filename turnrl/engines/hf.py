@@ -145,14 +145,14 @@ class HFEngine(WorkerEngine):
                                                                 listener=listener))
 
     async def reset_prefix_cache(self) -> None:
-        with self._weights_lock:
+        with self._weights_lock.exclusive():
             if self.prefix is not None:
                 self.prefix.clear()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place (between decode steps; the worker holds the same lock per step)."""
         params = self.model.state_dict(keep_vars=True)  # tied weights appear under every name
-        with self._weights_lock, torch.no_grad():
+        with self._weights_lock.exclusive(), torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:
                     raise EngineError(f"update_weights: the engine model has no parameter '{name}'")
@@ -174,7 +174,7 @@ class HFEngine(WorkerEngine):
                         self._resolve(req, exc=EngineError("engine closed"))
                     break
                 start = time.perf_counter()
-                with self._weights_lock:
+                with self._weights_lock.step():
                     if fresh:
                         new = self._prefill(fresh)
                         batch = new if batch is None else batch.merge(new)

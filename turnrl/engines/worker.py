@@ -11,7 +11,8 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Awaitable, Callable
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from turnrl.engines.base import Completion, Delta, EngineBase, EngineError, Sampling
 
@@ -39,6 +40,49 @@ async def stream_through(start: Callable[[Listener], Awaitable[Completion]]) -> 
             task.cancel()
 
 
+class StepLock:
+    """The worker holds it for one step at a time; a caller who asks (a weight update, a cache reset) gets it
+    at the next step boundary. A plain lock is not fair: a worker that releases and re-takes it at once can
+    keep a waiting update out until every request has finished, which silently turns a mid-request update
+    into one after the requests."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._held = False
+        self._waiting = 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """For the worker: waits while anyone else holds the lock or is waiting for it."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._held and self._waiting == 0)
+            self._held = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """For everyone else: served before the worker's next step."""
+        with self._cv:
+            self._waiting += 1
+            try:
+                self._cv.wait_for(lambda: not self._held)
+            finally:
+                self._waiting -= 1
+            self._held = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
+
 class WorkerEngine(EngineBase):
     join_timeout_s = 5.0   # how long `close` waits for the worker thread
 
@@ -48,7 +92,7 @@ class WorkerEngine(EngineBase):
         self.in_flight = 0                 # requests submitted and not yet answered (for progress)
         self._pending: deque[Any] = deque()
         self._cv = threading.Condition()
-        self._weights_lock = threading.Lock()
+        self._weights_lock = StepLock()
         self._closed = False
         self._counter = 0
         self._thread = threading.Thread(target=self._worker, name=name, daemon=True)

@@ -162,7 +162,7 @@ class FastEngine(WorkerEngine):
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy new weights in place, between decode steps, on the worker's stream (graphs stay valid)."""
         params = self.model.state_dict(keep_vars=True)
-        with self._weights_lock, torch.no_grad():
+        with self._weights_lock.exclusive(), torch.no_grad():
             stream = nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -177,7 +177,7 @@ class FastEngine(WorkerEngine):
             self.version = version           # with partial_rollout, the worker interrupts older requests first
 
     async def reset_prefix_cache(self) -> None:
-        with self._weights_lock:
+        with self._weights_lock.exclusive():
             self._cache_generation += 1
 
     # -- worker --------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class FastEngine(WorkerEngine):
                             self._resolve(req, exc=EngineError("engine closed"))
                         break
                     start = time.perf_counter()
-                    with self._weights_lock:
+                    with self._weights_lock.step():
                         stale = self._cache_generation != self._cache_seen
                         if stale:   # planned against KV of the old weights: prefill in full, forget the cache
                             self._cache_seen = self._cache_generation
