@@ -224,3 +224,88 @@ def test_untrimmed_policy_text_is_a_mismatch(llama3):
 def test_bad_on_mismatch():
     with pytest.raises(ValueError, match="on_mismatch must be error, warn or split, got 'ignore'"):
         ChatSession(None, [], [], Trajectory("g", 0, []), on_mismatch="ignore")
+
+
+# ------------------------------------------------------------------------------------------- one render a turn
+
+
+def _replays(template, monkeypatch, slow):
+    """Every synthetic conversation replayed; `slow`: render the history instead of reading it off the render
+    with the new messages (the path `add_environment` takes where that shortcut does not apply). Each turn
+    the shortcut takes is checked: the ledger then holds the template's own render with the generation prompt."""
+    from turnrl.chat.parity import SYNTHETIC, replay_conversation
+    real_add, real_history = ChatSession.add_environment, ChatSession._history
+    taken = []
+
+    def history(self, full):
+        hist = real_history(self, full)
+        taken.append(hist is not None)
+        return hist
+
+    def add(self, new_messages, turn):
+        split = len(self.traj.segments)
+        n = real_add(self, new_messages, turn)
+        if taken and taken[-1] and len(self.traj.segments) == split:
+            assert self._text == self._render(self.traj.messages, generation=True)
+            assert self.template.decode(self.context_ids) == self._text
+        return n
+    monkeypatch.setattr(ChatSession, "_history", (lambda self, full: None) if slow else history)
+    monkeypatch.setattr(ChatSession, "add_environment", add)
+    out = {}
+    for name, (msgs, tools) in SYNTHETIC.items():
+        for mode in ("error", "split", "warn"):
+            report, traj = replay_conversation(template, msgs, tools, mode, name)
+            out[name, mode] = (report.result, [(s.token_ids, s.sources) for s in traj.segments],
+                               traj.metrics.get("chat_mismatches"))
+    monkeypatch.undo()
+    return out, sum(taken)
+
+
+@pytest.mark.parametrize("fixture", ["smol_template", "chatml_tools", "llama3", "strip_thinking"])
+def test_the_history_shortcut_builds_the_same_ledger(fixture, request, monkeypatch):
+    """Reading the history off the one render per turn gives the same tokens, sources, results and mismatch
+    counts as rendering it, for append-only templates and for ones that are not (stripped reasoning)."""
+    template = request.getfixturevalue(fixture)
+    (fast, taken), (slow, _) = _replays(template, monkeypatch, slow=False), _replays(template, monkeypatch, slow=True)
+    assert fast == slow and taken > 0
+
+
+def test_the_history_shortcut_in_other_families(smol_tokenizer, monkeypatch):
+    """The same in every published family, except where rendering the history finds a break that the next
+    prompt does not have: Qwen3 in thinking mode writes an empty thinking block into the latest assistant turn
+    only while it is the last message, so the history render differs from what the policy saw, while the
+    render with the tool results (the next prompt) continues the ledger exactly. There the shortcut goes on in
+    one sample (each prompt checked above) where the history render would have split; the final parity check
+    still reports the last turn's block as `mismatch`, as before."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from families import FAMILIES, family_tokenizer
+    from turnrl.chat.templates import ChatTemplate
+    shortcuts = {}
+    for name, family in sorted(FAMILIES.items()):
+        template = ChatTemplate(family_tokenizer(smol_tokenizer, family))
+        (fast, shortcuts[name]), (slow, _) = _replays(template, monkeypatch, False), _replays(template, monkeypatch, True)
+        if name != "qwen3":
+            assert fast == slow, name
+            continue
+        differ = [key for key in fast if fast[key] != slow[key]]
+        assert {name for name, _ in differ} == {"multi_turn", "tool_call", "parallel_calls", "empty_and_unicode"}
+        for key in differ:
+            assert slow[key][2] and fast[key][2] is None, key             # breaks only in the history render
+            assert fast[key][0] == slow[key][0] == "mismatch", key        # the final empty block, reported
+            assert len(fast[key][1]) == 1 <= len(slow[key][1]), key
+    # templates that are append-only here take it (the others fail its check and render the history)
+    assert all(shortcuts[name] > 0 for name in ("qwen3", "qwen3_coder", "llama3_2_pythonic", "llama4_pythonic"))
+
+
+def test_a_tool_result_costs_one_render(smol_template, monkeypatch):
+    session, traj = new_session(smol_template, [{"role": "user", "content": "Weather?"}], [WEATHER])
+    policy(session, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', 0)
+    renders = []
+    real = ChatSession._render
+    monkeypatch.setattr(ChatSession, "_render", lambda self, *a, **k: renders.append(1) or real(self, *a, **k))
+    session.add_environment([smol_template.tool_message("get_weather", "-3 C", "c1")], 0)
+    assert len(renders) == 1
+    assert tokens_by_source(smol_template, traj.segment, 0, Source.TOOL).startswith("<|im_start|>")
+    assert session.finish() == "exact"

@@ -39,6 +39,41 @@ def test_smollm2_render_encode_decode(smol_template):
     assert ids2 == t.encode("Hello world") and offsets == [(0, 5), (5, 11)]
 
 
+def test_the_direct_tokenizer_path_equals_the_wrapper(smol_template, smol_tokenizer):
+    """`encode`, `encode_with_offsets` and `decode` call the Rust tokenizer straight when that is what the
+    transformers wrapper would do: same ids, offsets and text, on text mixing special tokens, bytes and spaces."""
+    import random
+    t, tok = smol_template, smol_template.tokenizer
+    assert t._direct
+    rng = random.Random(0)
+    pieces = ["<|im_start|>", "<|im_end|>", "\n", " ", "hello", "  world", "é", "日本", "<tool_call>", '{"a": 1}',
+              "\t", "\n\n", " 42", "😀"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = t.encode_with_offsets(text)
+        assert t.encode(text) == ids == list(enc["input_ids"])
+        assert offsets == [tuple(o) for o in enc["offset_mapping"]]
+        cut = ids[:rng.randint(0, len(ids))]     # also half of a multi-byte character
+        assert t.decode(cut) == tok.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_the_wrapper_is_used_where_the_direct_path_would_differ(smol_tokenizer):
+    tok = copy.deepcopy(smol_tokenizer)
+    tok._tokenizer.enable_truncation(3)          # left on the backend by someone else's call
+    t = ChatTemplate(tok)
+    assert t._backend() is None
+    assert len(t.encode("one two three four five")) == 5   # the wrapper turns truncation off for the call
+
+    class Custom(type(smol_tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "custom"
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.__class__ = Custom
+    t = ChatTemplate(tok)
+    assert not t._direct and t.decode([1, 2]) == "custom"
+
+
 def test_prompt_encoding_is_remembered_across_samples(smol_template):
     t = smol_template
     text = t.render([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True)

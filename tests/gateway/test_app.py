@@ -258,3 +258,21 @@ def test_forced_call_without_a_session_and_unforceable_tool_choice_over_http(scr
     assert forced.choices[0].message.tool_calls[0].function.arguments == '{"expression": "2+2"}'
     assert smol_template.decode(engine.prompts[0]).endswith('assistant\n<tool_call>\n{"name": "')
     assert err.status_code == 400 and "'deepseek_v3' tool parser" in err.message and len(engine.prompts) == 1
+
+
+def test_answers_say_the_gateways_time_and_the_engines(scripted_gateway):
+    """`Server-Timing`: the engine's share (a scripted engine that takes 80 ms) and the gateway's own."""
+    gateway, _ = scripted_gateway(["Blue."], delay=0.08)
+
+    async def go():
+        async with served(gateway) as url:
+            async with httpx.AsyncClient() as http:
+                chat = await http.post(f"{url}/v1/chat/completions", json={"model": "smol", "messages": USER})
+                text = await http.post(f"{url}/v1/completions", json={"model": "smol", "prompt": "Blue is"})
+                return chat, text
+
+    for r in run(go()):
+        assert r.status_code == 200
+        parts = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+        assert set(parts) == {"gateway", "engine"}
+        assert 80 <= float(parts["engine"]) < 2000 and 0 < float(parts["gateway"]) < 80

@@ -84,6 +84,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--config", default=None, help="YAML config (model, engine, rollout); defaults otherwise")
     q.add_argument("--sessions", default="1,256", help="concurrent sessions for the overhead part (comma-separated)")
     q.add_argument("--turns", type=int, default=8, help="calls per session in the overhead part")
+    q.add_argument("--engine-ms", default="0", help="the stand-in engine's latency per call in the overhead part, "
+                   "milliseconds (comma-separated: a row set each; 0 answers at once)")
+    q.add_argument("--clients", default="httpx,aiohttp", help="clients in another process for the overhead part")
     q.add_argument("--prompts", type=int, default=8, help="calculator tasks for the throughput part (0: skip it)")
     q.add_argument("--n", type=int, default=2, help="samples per task")
     q.add_argument("--json", required=True, help="where to write the report")
@@ -209,7 +212,9 @@ def _gateway(a: argparse.Namespace) -> int:
     sessions = [int(s) for s in a.sessions.split(",") if s]
 
     async def run() -> dict[str, Any]:
-        report: dict[str, Any] = {"overhead": await bench_overhead(template, sessions, a.turns)}
+        latencies = [float(x) for x in a.engine_ms.split(",") if x]
+        report: dict[str, Any] = {"overhead": await bench_overhead(template, sessions, a.turns, latencies,
+                                                                   [c for c in a.clients.split(",") if c])}
         if a.prompts > 0:
             tasks = load_dataset(task="calculator", size=a.prompts, seed=cfg.seed, options={"demo": True})
             engine = build_engine(cfg.engine, model_dir)

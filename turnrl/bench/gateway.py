@@ -1,15 +1,21 @@
 """`turnrl bench gateway`: what the gateway costs per request, and agents through it against the native loop.
 
 Overhead: S concurrent sessions each make T chat calls in a row (each call sends the conversation so far plus a
-tool result, as an agent does), over HTTP (httpx, keep-alive) to the gateway, whose engine answers at once
-with a fixed 16-token completion; the same S x T calls go straight to that engine. Per call, overhead =
-gateway round trip - direct engine call; reported as p50/p99 over all calls at each S. The client runs in the
-server's process and event loop, so its own JSON and HTTP work is counted in the overhead (an upper bound);
-"no-HTTP" is the same calls made straight into `Gateway.chat`, the capture's own share, and "another process"
-the same calls from a client in its own process (`bench.gateway_client`), as an agent in another process
-makes them: its HTTP and JSON work runs beside the server's instead of between its steps. "HTTP floor" is
-that client against the same HTTP stack (FastAPI on uvicorn) answering the same routes with a fixed body at
-once: what any HTTP server costs such a client; "above floor" is what the gateway adds to it.
+new message, as an agent does) over HTTP (keep-alive) to the gateway, whose stand-in engine answers with a
+fixed 16-token completion at once or after about `--engine-ms` (as a batched engine answers many sessions after
+a while; at once, S sessions only queue on one event loop, and at large S a round trip measures the CPU per
+call times S). Per call, overhead = round trip - the engine's time for that call, which the gateway reports in
+its `Server-Timing` header: what the call costs beyond a direct engine call (`direct` is one, for reference).
+Reported as p50/p99 over all calls, for:
+- "no-HTTP": the same calls straight into `Gateway.chat` (capture, deltas, replies);
+- "same loop": an httpx client on the server's own event loop, as the trainer's entry-point agents run: its
+  JSON and HTTP work is counted between the server's steps;
+- "httpx", "aiohttp": a client in its own process (`bench.gateway_client`), as an agent in another process
+  makes them; httpx is the `openai` SDK's default transport, aiohttp the one it offers for many concurrent
+  requests. "server" is the gateway's own time (request body to response body) from its header;
+- "floor": that client against the same HTTP stack (FastAPI on uvicorn) answering the same routes with a
+  fixed body after the same engine wait: what any OpenAI-compatible server costs that client (an engine's own
+  server, called directly, costs at least this); "above floor" is what the gateway adds to it.
 
 Throughput: the same calculator tasks (one worked example each, greedy so both runs sample the same tokens;
 those on which a tool call fails are left out, see `bench_agent_throughput`) through the native agent loop
@@ -20,6 +26,7 @@ engine; policy tokens per second of each, and their ratio.
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import time
 from pathlib import Path
@@ -39,13 +46,20 @@ REPLY = "The calculator says 42.\n#### 42"
 
 
 class InstantEngine(EngineBase):
-    """Answers every request at once with the same completion: the engine's cost drops out."""
+    """Answers every request with the same completion, at once or after about `latency_s` (drawn from
+    0.5-1.5 times it, seeded: a batched engine answers many sessions after a while, not all at the same
+    instant, so the sessions do not stay in lockstep): the engine's cost drops out, its waiting can stay."""
 
-    def __init__(self, template: ChatTemplate):
+    def __init__(self, template: ChatTemplate, latency_s: float = 0.0, seed: int = 0):
         self.ids = template.encode(REPLY) + [template.stop_token_ids[0]]
+        self.latency_s = latency_s
+        self.rng = random.Random(seed)
+
+    def delay(self) -> float:
+        return self.latency_s * (0.5 + self.rng.random()) if self.latency_s else 0.0
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.delay())
         return Completion(list(self.ids), [-0.5] * len(self.ids), "stop")
 
     async def close(self) -> None:
@@ -53,6 +67,7 @@ class InstantEngine(EngineBase):
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
+    """Seconds in, milliseconds out."""
     values = sorted(values)
     pick = lambda q: values[min(len(values) - 1, int(q * len(values)))] * 1000  # noqa: E731
     return {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "mean_ms": statistics.fmean(values) * 1000}
@@ -72,15 +87,9 @@ async def _direct(engine: InstantEngine, template: ChatTemplate, sessions: int, 
     return out
 
 
-async def _through_gateway(url: str, sessions: int, turns: int) -> tuple[list[float], float]:
-    """The calls over HTTP from a client on this process's event loop (the one the server runs on)."""
-    from turnrl.bench.gateway_client import measure
-    out = await measure(url, sessions, turns)
-    return out["latencies_s"], out["seconds"]
-
-
 async def _in_process(gateway: Gateway, sessions: int, turns: int) -> list[float]:
-    """The same calls straight into `Gateway.chat` (no HTTP): capture, deltas, replies."""
+    """The same calls straight into `Gateway.chat` (no HTTP): capture, deltas, replies; the engine's wait is
+    taken out of each call."""
     from turnrl.gateway.requests import parse_chat
     out: list[float] = []
 
@@ -90,19 +99,19 @@ async def _in_process(gateway: Gateway, sessions: int, turns: int) -> list[float
         for k in range(turns):
             t0 = time.perf_counter()
             answer = await gateway.chat(parse_chat({"model": "bench", "messages": messages, "max_tokens": 32}), session)
-            out.append(time.perf_counter() - t0)
+            out.append(time.perf_counter() - t0 - answer.engine_s)
             messages += [answer.replies[0].message(), {"role": "user", "content": f"And step {k}?"}]
         gateway.close_session(session.id)
     await asyncio.gather(*(one() for _ in range(sessions)))
     return out
 
 
-async def _from_another_process(url: str, sessions: int, turns: int) -> dict[str, Any]:
+async def _from_another_process(url: str, sessions: int, turns: int, client: str) -> dict[str, Any]:
     """The same calls from a client in its own process (`bench.gateway_client`), as an agent makes them."""
     import json
     import sys
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "turnrl.bench.gateway_client", url,
-                                                str(sessions), str(turns), stdout=asyncio.subprocess.PIPE,
+                                                str(sessions), str(turns), client, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     stdout, stderr = await proc.communicate()
     if proc.returncode != 0:
@@ -110,19 +119,32 @@ async def _from_another_process(url: str, sessions: int, turns: int) -> dict[str
     return json.loads(stdout)
 
 
-def floor_app(chat_body: dict[str, Any]) -> Any:
-    """The HTTP stack alone (FastAPI on uvicorn, as the gateway): the same routes answering a fixed chat body at
-    once, so a client measures what its calls cost before the gateway does anything."""
+def _calls(measured: dict[str, Any]) -> dict[str, Any]:
+    """A client's calls: round trips, and per call the round trip less the engine's time (the overhead)."""
+    trips = measured["latencies_s"]
+    engine = [ms / 1000 for ms in measured["engine_ms"]]
+    return {"round_trip": _quantiles(trips), "overhead": _quantiles([t - e for t, e in zip(trips, engine)]),
+            "calls_per_s": len(trips) / measured["seconds"],
+            **({"server": _quantiles([ms / 1000 for ms in measured["gateway_ms"]])} if measured["gateway_ms"] else {})}
+
+
+def floor_app(chat_body: dict[str, Any], engine: InstantEngine) -> Any:
+    """The HTTP stack alone (FastAPI on uvicorn, as the gateway): the same routes answering a fixed chat body
+    after the stand-in engine's wait (said in `Server-Timing`, as the gateway says it), so a client measures
+    what its calls cost any OpenAI-compatible server before the gateway does anything."""
     from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
     app = FastAPI()
 
     @app.post("/sessions")
     async def open_session() -> dict[str, Any]:
         return {"id": "floor"}
 
-    async def chat(request: Request, sid: str) -> dict[str, Any]:
+    async def chat(request: Request, sid: str) -> Any:
         await request.json()
-        return chat_body
+        wait = engine.delay()
+        await asyncio.sleep(wait)
+        return JSONResponse(chat_body, headers={"server-timing": f"engine;dur={wait * 1000:.3f}"})
     chat.__annotations__["request"] = Request   # a class, not the string this module's annotations are
     app.post("/sessions/{sid}/v1/chat/completions")(chat)
 
@@ -132,36 +154,34 @@ def floor_app(chat_body: dict[str, Any]) -> Any:
     return app
 
 
-async def bench_overhead(template: ChatTemplate, concurrency: list[int], turns: int) -> dict[str, Any]:
-    engine = InstantEngine(template)
-    gateway = Gateway(engine, template, get_parser("hermes"), ["bench"], Defaults(max_context=8192), "split")
+async def bench_overhead(template: ChatTemplate, concurrency: list[int], turns: int,
+                         engine_ms: list[float] = (0.0,), clients: list[str] = ("httpx", "aiohttp")) -> dict[str, Any]:
+    """One row per (engine latency, sessions)."""
+    from turnrl.bench.gateway_client import measure
     rows = []
-    async with running(build_app(gateway)) as url:
-        await _through_gateway(url, 4, 2)   # warm-up: imports, first renders, connections
-        import httpx
-        async with httpx.AsyncClient() as http:
-            sid = (await http.post(f"{url}/sessions", json={})).json()["id"]
-            body = (await http.post(f"{url}/sessions/{sid}/v1/chat/completions",
-                                    json={"model": "bench", "messages": [{"role": "user", "content": "Hi"}]})).json()
-        for sessions in concurrency:
-            direct = _quantiles(await _direct(engine, template, sessions, turns))
-            service = _quantiles(await _in_process(gateway, sessions, turns))
-            via, seconds = await _through_gateway(url, sessions, turns)
-            g = _quantiles(via)
-            other = await _from_another_process(url, sessions, turns)
-            o = _quantiles(other["latencies_s"])
-            async with running(floor_app(body)) as floor_url:
-                floor = _quantiles((await _from_another_process(floor_url, sessions, turns))["latencies_s"])
-            rows.append({"sessions": sessions, "calls": len(via), "direct": direct, "gateway": g, "in_process": service,
-                         "overhead_p50_ms": g["p50_ms"] - direct["p50_ms"],
-                         "overhead_p99_ms": g["p99_ms"] - direct["p99_ms"],
-                         "calls_per_s": len(via) / seconds,
-                         "other_process": {**o, "overhead_p50_ms": o["p50_ms"] - direct["p50_ms"],
-                                           "overhead_p99_ms": o["p99_ms"] - direct["p99_ms"],
-                                           "calls_per_s": len(other["latencies_s"]) / other["seconds"],
-                                           "http_floor": floor,
-                                           "above_floor_p50_ms": o["p50_ms"] - floor["p50_ms"] - direct["p50_ms"],
-                                           "above_floor_p99_ms": o["p99_ms"] - floor["p99_ms"] - direct["p99_ms"]}})
+    for latency in engine_ms:
+        engine = InstantEngine(template, latency / 1000)
+        gateway = Gateway(engine, template, get_parser("hermes"), ["bench"], Defaults(max_context=8192), "split")
+        async with running(build_app(gateway)) as url:
+            await measure(url, 4, 2)   # warm-up: imports, first renders, connections
+            import httpx
+            async with httpx.AsyncClient() as http:
+                sid = (await http.post(f"{url}/sessions", json={})).json()["id"]
+                body = (await http.post(f"{url}/sessions/{sid}/v1/chat/completions",
+                                        json={"model": "bench", "messages": [{"role": "user", "content": "Hi"}]})).json()
+            for sessions in concurrency:
+                row: dict[str, Any] = {"sessions": sessions, "engine_ms": latency, "calls": sessions * turns,
+                                       "direct": _quantiles(await _direct(engine, template, sessions, turns)),
+                                       "no_http": _quantiles(await _in_process(gateway, sessions, turns)),
+                                       "same_loop": _calls(await measure(url, sessions, turns)), "clients": {}}
+                for client in clients:
+                    side = _calls(await _from_another_process(url, sessions, turns, client))
+                    async with running(floor_app(body, InstantEngine(template, latency / 1000, seed=1))) as floor:
+                        side["floor"] = _calls(await _from_another_process(floor, sessions, turns, client))
+                    side["above_floor_p50_ms"] = side["overhead"]["p50_ms"] - side["floor"]["overhead"]["p50_ms"]
+                    side["above_floor_p99_ms"] = side["overhead"]["p99_ms"] - side["floor"]["overhead"]["p99_ms"]
+                    row["clients"][client] = side
+                rows.append(row)
     return {"turns_per_session": turns, "rows": rows}
 
 
@@ -212,23 +232,22 @@ async def bench_agent_throughput(engine: Any, template: ChatTemplate, loop: Any,
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = ["gateway overhead (instant engine; per call: gateway round trip - direct engine call)",
-             f"{'sessions':>9} {'calls':>6} {'direct p50':>11} {'gateway p50':>12} {'gateway p99':>12} "
-             f"{'overhead p50':>13} {'overhead p99':>13} {'calls/s':>8} {'no-HTTP p50':>12} {'no-HTTP p99':>12}"]
+    lines = ["gateway overhead per call: round trip - the engine's time for that call (its Server-Timing), ms p50/p99",
+             "  no-HTTP: Gateway.chat alone; same loop: httpx client on the server's event loop; httpx, aiohttp: "
+             "a client in another process; floor: that client against a bare FastAPI server; server: the "
+             "gateway's own time (Server-Timing)",
+             f"{'engine':>7} {'sessions':>8} {'no-HTTP':>15} {'same loop':>15} {'client':>8} {'overhead':>15} "
+             f"{'floor':>15} {'above floor':>15} {'server':>15} {'calls/s':>8}"]
+    pair = lambda q: f"{q['p50_ms']:.2f}/{q['p99_ms']:.2f}"  # noqa: E731
     for r in report["overhead"]["rows"]:
-        lines.append(f"{r['sessions']:>9} {r['calls']:>6} {r['direct']['p50_ms']:>9.3f}ms {r['gateway']['p50_ms']:>10.3f}ms "
-                     f"{r['gateway']['p99_ms']:>10.3f}ms {r['overhead_p50_ms']:>11.3f}ms {r['overhead_p99_ms']:>11.3f}ms "
-                     f"{r['calls_per_s']:>8.1f} {r['in_process']['p50_ms']:>10.3f}ms {r['in_process']['p99_ms']:>10.3f}ms")
-    lines.append("the same calls from a client in another process (as an agent makes them)")
-    lines.append(f"{'sessions':>9} {'overhead p50':>13} {'overhead p99':>13} {'calls/s':>8} {'HTTP floor p50':>15} "
-                 f"{'HTTP floor p99':>15} {'above floor p50':>16} {'above floor p99':>16}")
-    for r in report["overhead"]["rows"]:
-        o = r.get("other_process")
-        if o:
-            f = o["http_floor"]
-            lines.append(f"{r['sessions']:>9} {o['overhead_p50_ms']:>11.3f}ms {o['overhead_p99_ms']:>11.3f}ms "
-                         f"{o['calls_per_s']:>8.1f} {f['p50_ms']:>13.3f}ms {f['p99_ms']:>13.3f}ms "
-                         f"{o['above_floor_p50_ms']:>14.3f}ms {o['above_floor_p99_ms']:>14.3f}ms")
+        first = True
+        for client, c in r["clients"].items():
+            head = (f"{r['engine_ms']:>5.0f}ms {r['sessions']:>8} {pair(r['no_http']):>15} "
+                    f"{pair(r['same_loop']['overhead']):>15}") if first else " " * 48
+            first = False
+            above = f"{c['above_floor_p50_ms']:.2f}/{c['above_floor_p99_ms']:.2f}"
+            lines.append(f"{head} {client:>8} {pair(c['overhead']):>15} {pair(c['floor']['overhead']):>15} "
+                         f"{above:>15} {pair(c['server']) if 'server' in c else '-':>15} {c['calls_per_s']:>8.1f}")
     t = report.get("throughput")
     if t:
         k = t.get("tasks", {})

@@ -1,16 +1,23 @@
 """Token-exact chat sessions: append environment turns as token deltas, never re-tokenize policy tokens.
 
 Algorithm (per environment turn, after the policy's assistant turn was appended token by token):
-1. `hist` = render(messages so far), `new` = render(messages + new ones, generation prompt on).
-2. The ledger's text must be a prefix of `hist`; what `hist` has beyond it is template glue the policy did
-   not write (ChatML: the `\\n` after `<|im_end|>`, which generation stops before; or the whole
-   `<|im_end|>\\n` when a turn was cut by its token limit). This is where verl loses the `\\n`.
-3. `new` must extend `hist`; the difference holds the new messages and the next generation prompt.
+1. `full` = render(messages + new ones, generation prompt on).
+2. `hist`, the render of the conversation so far, is the ledger's text plus the rest of the template's
+   assistant suffix: template glue the policy did not write (ChatML: the `\\n` after `<|im_end|>`, which
+   generation stops before; or the whole `<|im_end|>\\n` when a turn was cut by its token limit). This is where
+   verl loses the `\\n`. When `full` starts with that text, the appended delta makes the ledger equal `full`,
+   the exact next prompt, and no other render is needed. Otherwise `hist` is rendered: the ledger's text must be
+   a prefix of it, and `full` must extend it.
+3. The delta `full[len(hist):]` holds the new messages and the next generation prompt; a render up to each new
+   message but the last marks where it ends (the last ends where `full`'s generation prompt begins).
 4. glue + delta is tokenized as one string (special tokens split it exactly as in a full render), and each
    token gets its source (template, tool, user) from its character offset.
-If step 2 or 3 fails, the template is not append-only here (trimmed content, reasoning stripped from past
+If step 2 fails, the template is not append-only here (trimmed content, reasoning stripped from past
 turns, ...). `on_mismatch` decides: `error` raises, `warn` appends the template's own delta and counts it,
-`split` starts a new segment (a new training sample) from a full re-render of the conversation.
+`split` starts a new segment (a new training sample) from a full re-render of the conversation. (A template
+that writes the latest assistant turn differently only while it is the last message, as Qwen3's thinking
+mode does with an empty thinking block, breaks nothing here: the next prompt continues the ledger exactly; the
+final parity check reports what the last turn's render adds.)
 
 Each assistant message keeps the reply's leading `<think>...</think>` as `reasoning_content` and the rest as
 `content` (`ChatTemplate.split_reasoning`); renders join them back, so the split is invisible to parity.
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from turnrl.chat.templates import ChatTemplate
+from turnrl.chat.templates import ChatTemplate, TemplateError
 from turnrl.ledger import Source, Trajectory, Turn
 
 ROLE_SOURCE = {"tool": Source.TOOL, "user": Source.USER, "system": Source.PROMPT, "assistant": Source.PROMPT}
@@ -105,24 +112,46 @@ class ChatSession:
     def add_environment(self, new_messages: list[dict[str, Any]], turn: int) -> int:
         """Append tool/user messages and the next generation prompt; returns the number of tokens added."""
         messages = self.traj.messages
-        hist = self._render(messages)
         full = self._render(messages + new_messages, generation=True)
-        if not hist.startswith(self._text):
-            return self._mismatch(hist, new_messages, turn, describe_mismatch(hist, self._text))
-        if not full.startswith(hist):
-            return self._mismatch(hist, new_messages, turn, describe_mismatch(full, hist) + " (past turns change)")
+        hist = self._history(full)
+        if hist is None:
+            hist = self._render(messages)
+            if not hist.startswith(self._text):
+                return self._mismatch(hist, new_messages, turn, describe_mismatch(hist, self._text))
+            if not full.startswith(hist):
+                return self._mismatch(hist, new_messages, turn, describe_mismatch(full, hist) + " (past turns change)")
         pieces = [(hist[len(self._text):], Source.TEMPLATE)]
         pieces += self._message_pieces(messages, new_messages, hist, full)
         messages.extend(new_messages)
         return self._append_pieces(pieces, turn)
 
+    def _history(self, full: str) -> str | None:
+        """The render of the conversation so far, read off `full` (the render with the new messages) without
+        rendering it again, when the ledger ends with an assistant turn that `full` continues exactly: the
+        ledger's text, then the rest of the template's assistant suffix (ChatML: the `\\n` after `<|im_end|>`,
+        or all of `<|im_end|>\\n` after a turn cut by its limit). None: render it (the checks then say why not).
+        Either way the appended tokens make the ledger equal `full`; this only saves a render per turn."""
+        if not self.traj.messages or self.traj.messages[-1].get("role") != "assistant":
+            return None
+        suffix = self.template.assistant_suffix
+        text = self._text
+        glue = next((suffix[k:] for k in range(len(suffix), -1, -1) if text.endswith(suffix[:k])), suffix)
+        hist = text + glue
+        return hist if full.startswith(hist) else None
+
     def _message_pieces(self, messages: list[dict[str, Any]], new_messages: list[dict[str, Any]], hist: str,
                         full: str) -> list[tuple[str, Source]]:
-        """Split the delta `full[len(hist):]` into per-message pieces with their sources."""
+        """Split the delta `full[len(hist):]` into per-message pieces with their sources. The last message ends
+        where the generation prompt begins when `full` ends with the template's generation prompt; the others
+        (and the last, where it does not) end where a render up to them ends."""
         pieces: list[tuple[str, Source]] = []
         prev = hist
+        opener = self._generation_prompt()
         for k in range(1, len(new_messages) + 1):
-            text = self._render(messages + new_messages[:k])
+            if k == len(new_messages) and opener and full.endswith(opener) and len(full) - len(opener) >= len(prev):
+                text = full[:len(full) - len(opener)]
+            else:
+                text = self._render(messages + new_messages[:k])
             if not text.startswith(prev) or not full.startswith(text):
                 # The template regroups messages (e.g. several tool results in one block): attribute the
                 # whole delta to the first new message's role.
@@ -133,6 +162,12 @@ class ChatSession:
             prev = text
         pieces.append((full[len(prev):], Source.TEMPLATE))
         return pieces
+
+    def _generation_prompt(self) -> str:
+        try:
+            return self.template.generation_prompt
+        except TemplateError:
+            return ""
 
     def _append_pieces(self, pieces: list[tuple[str, Source]], turn: int) -> int:
         text = "".join(p for p, _ in pieces)
@@ -189,15 +224,16 @@ class ChatSession:
     def context_after(self, new_messages: list[dict[str, Any]]) -> int:
         """The length the current segment would have after `add_environment(new_messages)` (nothing changes)."""
         messages = self.traj.messages
-        hist = self._render(messages)
         full = self._render(messages + new_messages, generation=True)
-        if hist.startswith(self._text) and full.startswith(hist):
-            return len(self.context_ids) + len(self.template.encode(full[len(self._text):]))
-        if self.on_mismatch == "split":
-            return len(self.template.encode(full))
-        # warn (with 'error', add_environment raises)
-        return len(self.context_ids) + len(self.template.encode(self._glue() + self._warn_delta(hist, full,
-                                                                                                new_messages)))
+        if self._history(full) is None:
+            hist = self._render(messages)
+            if not (hist.startswith(self._text) and full.startswith(hist)):
+                if self.on_mismatch == "split":
+                    return len(self.template.encode(full))
+                # warn (with 'error', add_environment raises)
+                delta = self._glue() + self._warn_delta(hist, full, new_messages)
+                return len(self.context_ids) + len(self.template.encode(delta))
+        return len(self.context_ids) + len(self.template.encode(full[len(self._text):]))
 
     def _glue(self) -> str:
         """The template's assistant suffix minus what the policy already wrote of it."""

@@ -79,6 +79,9 @@ class ChatTemplate:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def encode(self, text: str) -> list[int]:
+        backend = self._backend()
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_prompt(self, text: str) -> tuple[int, ...]:
@@ -86,11 +89,46 @@ class ChatTemplate:
         return self._prompt_ids(text)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        backend = self._backend()
+        if backend is not None:
+            enc = backend.encode(text, add_special_tokens=False)
+            return enc.ids, enc.offsets
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
     def decode(self, ids: list[int]) -> str:
+        backend = self._backend()
+        if backend is not None:
+            return backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @cached_property
+    def _direct(self) -> bool:
+        """Whether the tokenizer is a plain fast tokenizer whose calls go straight to its Rust `tokenizers`
+        object: no subclass changes how it encodes or decodes. Calling that object directly then gives the same
+        ids, offsets and text without the wrapper's per-call work (about 0.1 ms a call; the gateway and the
+        agent loop encode and decode on every turn)."""
+        tok = self.tokenizer
+        base = next((c for c in type(tok).__mro__ if c.__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")),
+                    None)
+        if base is None or not hasattr(getattr(tok, "_tokenizer", None), "encode_batch"):
+            return False
+        names = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode", "decode", "_decode",
+                 "convert_tokens_to_string", "prepare_for_tokenization")
+        return all(getattr(type(tok), n, None) is getattr(base, n, None) for n in names)
+
+    def _backend(self) -> Any:
+        """The Rust tokenizer, set up as the wrapper sets it up per call, or None where only the wrapper will do
+        (not a plain fast tokenizer; truncation or padding left on it by someone else's call)."""
+        if not self._direct:
+            return None
+        backend = self.tokenizer._tokenizer
+        if backend.truncation is not None or backend.padding is not None:
+            return None
+        split = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        if backend.encode_special_tokens != split:
+            backend.encode_special_tokens = split
+        return backend
 
     # -- reasoning -----------------------------------------------------------------------------------
     @cached_property

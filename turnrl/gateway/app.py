@@ -8,7 +8,8 @@
     POST /sessions/{id}/close                  close it -> the recorded trajectory (ledger JSON)
     *    /sessions/{id}/v1/...                 the OpenAI routes inside a session: give an agent this base URL
 
-Errors are OpenAI's shape (`requests.APIError`). Each call runs next to a watcher of the client's
+Errors are OpenAI's shape (`requests.APIError`). A whole (not streamed) answer carries a `Server-Timing`
+header: `gateway;dur=0.41, engine;dur=812.3` (milliseconds), the gateway's own time and the engine's. Each call runs next to a watcher of the client's
 connection; when the client goes away first, the call is cancelled, which aborts its engine request and
 undoes it in the session. Streaming (`stream: true`) with one choice sends the content as it is sampled
 (`Gateway.chat_stream`; engines with `capabilities.streaming`, hf and vLLM, yield tokens as they come, the
@@ -99,6 +100,7 @@ def build_app(gateway: Gateway, on_close: Callable[[Any], None] | None = None) -
     @app.post("/v1/chat/completions")
     @app.post("/sessions/{sid}/v1/chat/completions")
     async def chat(request: Request, sid: str | None = None) -> Response:
+        start = time.perf_counter()
         req = parse_chat(await _json(request))
         session = _session(gateway, request, sid)
         if req.sampling.stream and req.sampling.n == 1:
@@ -106,20 +108,31 @@ def build_app(gateway: Gateway, on_close: Callable[[Any], None] | None = None) -
         answer = await _watched(request, gateway.chat(req, session))
         if req.sampling.stream:
             return _sse(_chat_chunks(gateway, answer, req.sampling.include_usage))
-        return JSONResponse(chat_body(gateway, answer, req.logprobs))
+        return _timed(JSONResponse(chat_body(gateway, answer, req.logprobs)), start, answer)
 
     @app.post("/v1/completions")
     @app.post("/sessions/{sid}/v1/completions")
     async def completions(request: Request, sid: str | None = None) -> Response:
+        start = time.perf_counter()
         req = parse_completion(await _json(request))
         session = _session(gateway, request, sid)
         answer = await _watched(request, gateway.complete(req, session))
         body = completion_body(gateway, answer, req.logprobs is not None)
         if req.sampling.stream:
             return _sse(_completion_chunks(body, req.sampling.include_usage))
-        return JSONResponse(body)
+        return _timed(JSONResponse(body), start, answer)
 
     return app
+
+
+def _timed(response: Response, start: float, answer: Answer) -> Response:
+    """A `Server-Timing` header: the engine's share of the call and the gateway's own (reading the body,
+    checks, the ledger, the reply and its JSON), in milliseconds; what the HTTP server does before and after
+    the route (parsing the request line and headers, writing to the socket) is in neither."""
+    total = time.perf_counter() - start
+    response.headers["server-timing"] = (f"gateway;dur={(total - answer.engine_s) * 1000:.3f}, "
+                                         f"engine;dur={answer.engine_s * 1000:.3f}")
+    return response
 
 
 def _session(gateway: Gateway, request: Request, sid: str | None) -> Any:

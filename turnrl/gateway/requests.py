@@ -155,25 +155,33 @@ def _tool_calls(value: Any, param: str) -> tuple[tuple[str, str, str], ...]:
 
 
 def parse_messages(value: Any) -> list[Message]:
+    """The agent sends the whole conversation on every call: the checks build their field names only for an
+    error (formatting them for every message cost more than the checks)."""
     if not isinstance(value, list) or not value:
         raise APIError(400, "'messages' must be a non-empty array of chat messages.", "messages")
     out = []
     for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        _type(m, dict, where, "an object")
+        if not isinstance(m, dict):
+            _type(m, dict, f"messages[{i}]", "an object")
         role = m.get("role")
         if role not in ROLES:
-            raise APIError(400, f"Invalid value for '{where}.role': {role!r}; expected one of {', '.join(ROLES)}.",
-                           f"{where}.role")
-        calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+            raise APIError(400, f"Invalid value for 'messages[{i}].role': {role!r}; expected one of "
+                                f"{', '.join(ROLES)}.", f"messages[{i}].role")
+        raw_calls = m.get("tool_calls") if role == "assistant" else None
+        calls = _tool_calls(raw_calls, f"messages[{i}].tool_calls") if raw_calls is not None else ()
         if "content" not in m and not calls:
-            raise APIError(400, f"Missing required parameter: '{where}.content'.", f"{where}.content")
+            raise APIError(400, f"Missing required parameter: 'messages[{i}].content'.", f"messages[{i}].content")
         tool_call_id = m.get("tool_call_id") or ""
         if role == "tool" and not isinstance(tool_call_id, str):
-            raise APIError(400, f"Invalid type for '{where}.tool_call_id': expected a string.", f"{where}.tool_call_id")
+            raise APIError(400, f"Invalid type for 'messages[{i}].tool_call_id': expected a string.",
+                           f"messages[{i}].tool_call_id")
         name = m.get("name") or ""
-        out.append(Message("system" if role == "developer" else role, _content(m.get("content"), f"{where}.content"),
-                           _type(name, str, f"{where}.name", "a string"), tool_call_id, calls))
+        if not isinstance(name, str):
+            _type(name, str, f"messages[{i}].name", "a string")
+        content = m.get("content")
+        if not isinstance(content, str):
+            content = _content(content, f"messages[{i}].content")
+        out.append(Message("system" if role == "developer" else role, content, name, tool_call_id, calls))
     return out
 
 

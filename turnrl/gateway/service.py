@@ -73,6 +73,7 @@ class Answer:
     model: str
     replies: list[Reply]
     prompt_tokens: int
+    engine_s: float = 0.0            # waiting for the engine (the rest of a call's time is the gateway's)
 
 
 class Gateway:
@@ -113,12 +114,16 @@ class Gateway:
     # -- chat ----------------------------------------------------------------------------------------
     async def chat(self, req: ChatRequest, session: Session | None = None) -> Answer:
         call = self._begin_chat(req, session)
+        start = time.perf_counter()
         try:
             completions = await self._generate_all(call.prompt, call.sampling, req.sampling.n)
         except BaseException:
             self._undo(call)
             raise
-        return self._end_chat(req, call, completions)
+        engine_s = time.perf_counter() - start
+        answer = self._end_chat(req, call, completions)
+        answer.engine_s = engine_s
+        return answer
 
     async def chat_stream(self, req: ChatRequest, session: Session | None = None) -> AsyncIterator[str | Answer]:
         """One choice: its content as it is sampled (str deltas, `streaming.ContentStream`), then the Answer.
@@ -224,7 +229,10 @@ class Gateway:
         vocab = len(self.template.tokenizer)
         if any(t >= vocab for t in prompt):
             raise APIError(400, f"Invalid 'prompt': token ids must be below the vocabulary size {vocab}.", "prompt")
-        completions = await self._generate_all(prompt, self._sampling(req.sampling, len(prompt)), req.sampling.n)
+        sampling = self._sampling(req.sampling, len(prompt))
+        start = time.perf_counter()
+        completions = await self._generate_all(prompt, sampling, req.sampling.n)
+        engine_s = time.perf_counter() - start
         replies = []
         for c in completions:
             ids, lps, cut = cut_at_stop(self.template, c.token_ids, c.logprobs, req.sampling.stop)
@@ -233,7 +241,7 @@ class Gateway:
             replies.append(Reply(ids, lps, finish, text, text))
             if session is not None:
                 session.record_text(prompt, ids, lps, finish, text)
-        return Answer(new_id("cmpl-"), int(time.time()), req.model, replies, len(prompt))
+        return Answer(new_id("cmpl-"), int(time.time()), req.model, replies, len(prompt), engine_s)
 
     # -- sampling ------------------------------------------------------------------------------------
     def _sampling(self, s: Sampled, prompt_len: int) -> Sampling:
