@@ -300,12 +300,20 @@ def test_the_history_shortcut_in_other_families(smol_tokenizer, monkeypatch):
 
 
 def test_a_tool_result_costs_one_render(smol_template, monkeypatch):
+    """The loop measures the turn (`context_after`), then appends it: one render for both; a cut result (other
+    messages) renders anew, and the count stays exact."""
     session, traj = new_session(smol_template, [{"role": "user", "content": "Weather?"}], [WEATHER])
     policy(session, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', 0)
     renders = []
     real = ChatSession._render
     monkeypatch.setattr(ChatSession, "_render", lambda self, *a, **k: renders.append(1) or real(self, *a, **k))
-    session.add_environment([smol_template.tool_message("get_weather", "-3 C", "c1")], 0)
-    assert len(renders) == 1
+    long = [smol_template.tool_message("get_weather", "-3 C and snow " * 20, "c1")]
+    cut = [smol_template.tool_message("get_weather", "-3 C", "c1")]
+    assert session.context_after(long) > session.context_after(cut)
+    expected = session.context_after(cut)
+    assert len(renders) == 2                     # long, then cut; asking again renders nothing
+    session.add_environment(cut, 0)
+    assert len(renders) == 2 and len(traj.segment) == expected
+    assert traj.messages[-1]["content"] == "-3 C"
     assert tokens_by_source(smol_template, traj.segment, 0, Source.TOOL).startswith("<|im_start|>")
     assert session.finish() == "exact"

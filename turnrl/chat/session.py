@@ -31,6 +31,7 @@ for frameworks that re-tokenize), or `mismatch`.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from turnrl.chat.templates import ChatTemplate, TemplateError
@@ -73,6 +74,7 @@ class ChatSession:
         traj.segment.append(template.encode_prompt(text), Source.PROMPT, turn=0)
         self._text = text            # the current segment's text, kept in step with its tokens
         self.mismatches = 0
+        self._last_prompt: tuple[Any, list[dict[str, Any]], str] | None = None
 
     @property
     def context_ids(self) -> list[int]:
@@ -112,7 +114,7 @@ class ChatSession:
     def add_environment(self, new_messages: list[dict[str, Any]], turn: int) -> int:
         """Append tool/user messages and the next generation prompt; returns the number of tokens added."""
         messages = self.traj.messages
-        full = self._render(messages + new_messages, generation=True)
+        full = self._next_prompt(new_messages)
         hist = self._history(full)
         if hist is None:
             hist = self._render(messages)
@@ -124,6 +126,19 @@ class ChatSession:
         pieces += self._message_pieces(messages, new_messages, hist, full)
         messages.extend(new_messages)
         return self._append_pieces(pieces, turn)
+
+    def _next_prompt(self, new_messages: list[dict[str, Any]]) -> str:
+        """render(messages + new ones, generation prompt on), remembered for the last new messages: the agent
+        loop asks `context_after` before `add_environment` with the same messages (a cut tool result is other
+        messages, and renders anew). The key is the trajectory, its message count and the ledger's text, which
+        every change to the conversation so far changes."""
+        key = (id(self.traj), len(self.traj.messages), self._text)
+        last = self._last_prompt
+        if last is not None and last[0] == key and last[1] == new_messages:
+            return last[2]
+        full = self._render(self.traj.messages + new_messages, generation=True)
+        self._last_prompt = (key, copy.deepcopy(new_messages), full)
+        return full
 
     def _history(self, full: str) -> str | None:
         """The render of the conversation so far, read off `full` (the render with the new messages) without
@@ -200,7 +215,7 @@ class ChatSession:
                                     "Set rollout.on_mismatch to 'split' (new training sample at the break) "
                                     "or 'warn'.")
         messages = self.traj.messages
-        full = self._render(messages + new_messages, generation=True)
+        full = self._next_prompt(new_messages)
         if self.on_mismatch == "split":
             messages.extend(new_messages)
             self.traj.segments.append(type(self.traj.segment)())
@@ -224,7 +239,7 @@ class ChatSession:
     def context_after(self, new_messages: list[dict[str, Any]]) -> int:
         """The length the current segment would have after `add_environment(new_messages)` (nothing changes)."""
         messages = self.traj.messages
-        full = self._render(messages + new_messages, generation=True)
+        full = self._next_prompt(new_messages)
         if self._history(full) is None:
             hist = self._render(messages)
             if not (hist.startswith(self._text) and full.startswith(hist)):
