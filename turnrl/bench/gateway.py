@@ -165,10 +165,10 @@ async def bench_overhead(template: ChatTemplate, concurrency: list[int], turns: 
         async with running(build_app(gateway)) as url:
             await measure(url, 4, 2)   # warm-up: imports, first renders, connections
             import httpx
+            hi = {"model": "bench", "messages": [{"role": "user", "content": "Hi"}]}
             async with httpx.AsyncClient() as http:
                 sid = (await http.post(f"{url}/sessions", json={})).json()["id"]
-                body = (await http.post(f"{url}/sessions/{sid}/v1/chat/completions",
-                                        json={"model": "bench", "messages": [{"role": "user", "content": "Hi"}]})).json()
+                body = (await http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=hi)).json()
             for sessions in concurrency:
                 row: dict[str, Any] = {"sessions": sessions, "engine_ms": latency, "calls": sessions * turns,
                                        "direct": _quantiles(await _direct(engine, template, sessions, turns)),

@@ -1,10 +1,11 @@
 """The overhead part of `turnrl bench gateway` from an agent's side: a client in its own process.
 
-`python -m turnrl.bench.gateway_client URL SESSIONS TURNS [httpx|aiohttp]` opens SESSIONS sessions over HTTP,
-makes TURNS chat calls in each (the conversation so far plus a new user message), closes them, and prints one JSON object: every call's round trip in
-seconds, the wall time of all of them, and per call the gateway's own time and the engine's in milliseconds
-(the `Server-Timing` header; a server without it: no gateway time, engine time 0). In its own process the client's JSON and HTTP work
-runs beside the server instead of between its steps, as it does for an agent in another process.
+`python -m turnrl.bench.gateway_client URL SESSIONS TURNS [httpx|aiohttp]` opens SESSIONS sessions over HTTP, makes
+TURNS chat calls in each (the conversation so far plus a new user message), closes them, and prints one JSON
+object: every call's round trip in seconds, the wall time of all of them, and per call the gateway's own time and
+the engine's in milliseconds (the `Server-Timing` header; a server without it: no gateway time, engine time 0). In
+its own process the client's JSON and HTTP work runs beside the server instead of between its steps, as it does for
+an agent in another process.
 
 Clients: httpx, the `openai` SDK's default transport, one client per session as turnrl gives each entry-point
 agent (one httpx pool shared by 256 sessions made 27 calls/s here against a server answering after about 1 s:
@@ -78,15 +79,10 @@ async def measure(url: str, sessions: int, turns: int, client: str = "httpx") ->
             return await _run(run_one, url, sessions, turns)
     if client != "httpx":
         raise ValueError(f"client must be httpx or aiohttp, got {client!r}")
-    import httpx
-
-    from turnrl.gateway.agents import _tls_context
-    from turnrl.gateway.server import NODELAY
+    from turnrl.gateway.server import async_client
     # One client (one connection) per session, as turnrl gives each entry-point agent: one pool shared by
     # hundreds of sessions costs httpx more per call the more connections it holds.
-    ctx = _tls_context()
-    clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(socket_options=NODELAY, verify=ctx), verify=ctx,
-                                 timeout=600) for _ in range(sessions + 1)]
+    clients = [async_client(600) for _ in range(sessions + 1)]
     free = list(clients)
 
     try:

@@ -148,10 +148,7 @@ class ChatSession:
         Either way the appended tokens make the ledger equal `full`; this only saves a render per turn."""
         if not self.traj.messages or self.traj.messages[-1].get("role") != "assistant":
             return None
-        suffix = self.template.assistant_suffix
-        text = self._text
-        glue = next((suffix[k:] for k in range(len(suffix), -1, -1) if text.endswith(suffix[:k])), suffix)
-        hist = text + glue
+        hist = self._text + self._glue()
         return hist if full.startswith(hist) else None
 
     def _message_pieces(self, messages: list[dict[str, Any]], new_messages: list[dict[str, Any]], hist: str,

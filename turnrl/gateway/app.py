@@ -8,14 +8,14 @@
     POST /sessions/{id}/close                  close it -> the recorded trajectory (ledger JSON)
     *    /sessions/{id}/v1/...                 the OpenAI routes inside a session: give an agent this base URL
 
-Errors are OpenAI's shape (`requests.APIError`). A whole (not streamed) answer carries a `Server-Timing`
-header: `gateway;dur=0.41, engine;dur=812.3` (milliseconds), the gateway's own time and the engine's. Each call runs next to a watcher of the client's
-connection; when the client goes away first, the call is cancelled, which aborts its engine request and
-undoes it in the session. Streaming (`stream: true`) with one choice sends the content as it is sampled
-(`Gateway.chat_stream`; engines with `capabilities.streaming`, hf and vLLM, yield tokens as they come, the
-others the whole completion at once), then the tool calls, the finish reason, the optional usage and
-`[DONE]`; with `n` > 1, and for `/v1/completions`, the finished completion goes out as chunks. `tool_choice: required` or a named function is
-enforced (`service.Gateway.forced_ids`): the reply continues a forced call opening, and its message and
+Errors are OpenAI's shape (`requests.APIError`). A whole (not streamed) answer carries a `Server-Timing` header:
+`gateway;dur=0.41, engine;dur=812.3` (milliseconds), the gateway's own time and the engine's. Each call runs next
+to a watcher of the client's connection; when the client goes away first, the call is cancelled, which aborts its
+engine request and undoes it in the session. Streaming (`stream: true`) with one choice sends the content as it is
+sampled (`Gateway.chat_stream`; engines with `capabilities.streaming`, hf and vLLM, yield tokens as they come, the
+others the whole completion at once), then the tool calls, the finish reason, the optional usage and `[DONE]`; with
+`n` > 1, and for `/v1/completions`, the finished completion goes out as chunks. `tool_choice: required` or a named
+function is enforced (`service.Gateway.forced_ids`): the reply continues a forced call opening, and its message and
 `tool_calls` include it.
 """
 

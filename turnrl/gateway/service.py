@@ -120,10 +120,7 @@ class Gateway:
         except BaseException:
             self._undo(call)
             raise
-        engine_s = time.perf_counter() - start
-        answer = self._end_chat(req, call, completions)
-        answer.engine_s = engine_s
-        return answer
+        return self._end_chat(req, call, completions, time.perf_counter() - start)
 
     async def chat_stream(self, req: ChatRequest, session: Session | None = None) -> AsyncIterator[str | Answer]:
         """One choice: its content as it is sampled (str deltas, `streaming.ContentStream`), then the Answer.
@@ -190,13 +187,13 @@ class Gateway:
                 call.session.abort(c)
             self.stats["aborted"] += 1
 
-    def _end_chat(self, req: ChatRequest, call: _Call, completions: list[Completion]) -> Answer:
+    def _end_chat(self, req: ChatRequest, call: _Call, completions: list[Completion], engine_s: float = 0.0) -> Answer:
         replies = [build_reply(self.template, call.parser, c.token_ids, c.logprobs, c.finish_reason,
                                req.sampling.stop, call.forced) for c in completions]
         if call.session is not None:
             for c, reply in zip(call.calls, replies):
                 call.session.commit(c, reply)
-        return Answer(new_id("chatcmpl-"), int(time.time()), req.model, replies, len(call.prompt))
+        return Answer(new_id("chatcmpl-"), int(time.time()), req.model, replies, len(call.prompt), engine_s)
 
     def forced_ids(self, req: ChatRequest) -> list[int]:
         """The tokens of the call opening `tool_choice` forces ([] for auto, none, or a request without tools)."""
