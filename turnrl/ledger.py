@@ -235,13 +235,14 @@ class Trajectory(_Checked):
             n = len(seg.token_ids)
             if not (len(seg.sources) == len(seg.turns) == len(seg.logprobs) == len(seg.loss_mask) == n):
                 raise LedgerError(f"segment {k}: per-token lists differ in length")
-            for i in range(n):
-                policy = seg.sources[i] == Source.POLICY
-                if seg.loss_mask[i] and not policy:
+            policy = Source.POLICY
+            for i, (source, mask, logprob) in enumerate(zip(seg.sources, seg.loss_mask, seg.logprobs)):
+                if source == policy:
+                    if not mask and not self.masked:
+                        raise LedgerError(f"segment {k} token {i}: policy token outside the loss mask")
+                elif mask:
                     raise LedgerError(f"segment {k} token {i}: loss mask on a non-policy token")
-                if policy and not seg.loss_mask[i] and not self.masked:
-                    raise LedgerError(f"segment {k} token {i}: policy token outside the loss mask")
-                if not policy and seg.logprobs[i] != 0.0:
+                elif logprob != 0.0:
                     raise LedgerError(f"segment {k} token {i}: logprob on a non-policy token")
             if any(b < a for a, b in zip(seg.turns, seg.turns[1:])):
                 raise LedgerError(f"segment {k}: turn indices go backwards")
@@ -249,7 +250,7 @@ class Trajectory(_Checked):
             seg = self.segments[turn.segment]
             if not 0 <= turn.start <= turn.end <= len(seg):
                 raise LedgerError(f"turn {turn.index}: span out of range")
-            if any(seg.sources[i] != Source.POLICY for i in range(turn.start, turn.end)):
+            if any(source != Source.POLICY for source in seg.sources[turn.start:turn.end]):
                 raise LedgerError(f"turn {turn.index}: span holds non-policy tokens")
 
     def to_dict(self) -> dict[str, Any]:

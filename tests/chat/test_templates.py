@@ -4,7 +4,7 @@ import json
 import pytest
 
 from turnrl.chat.parity import WEATHER
-from turnrl.chat.templates import ChatTemplate, TemplateError, tool_prompt
+from turnrl.chat.templates import GIL_FREE_CHARS, ChatTemplate, TemplateError, tool_prompt
 
 CALC = {"type": "function", "function": {"name": "calculate", "description": "Evaluate arithmetic.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
@@ -46,16 +46,20 @@ def test_the_direct_tokenizer_path_equals_the_wrapper(smol_template, smol_tokeni
     t, tok = smol_template, smol_template.tokenizer
     assert t._direct
     rng = random.Random(0)
+    texts = []
     pieces = ["<|im_start|>", "<|im_end|>", "\n", " ", "hello", "  world", "é", "日本", "<tool_call>", '{"a": 1}',
               "\t", "\n\n", " 42", "😀"]
-    for _ in range(300):
-        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+    for k in range(300):   # every fourth long enough for the GIL-free batch call
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30) if k % 4 else rng.randint(90, 200)))
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = t.encode_with_offsets(text)
         assert t.encode(text) == ids == list(enc["input_ids"])
         assert offsets == [tuple(o) for o in enc["offset_mapping"]]
         cut = ids[:rng.randint(0, len(ids))]     # also half of a multi-byte character
         assert t.decode(cut) == tok.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        texts.append(text)
+    assert t.encode_many(texts) == [t.encode(text) for text in texts]
+    assert sum(len(text) >= GIL_FREE_CHARS for text in texts) >= 60
 
 
 def test_the_wrapper_is_used_where_the_direct_path_would_differ(smol_tokenizer):
@@ -64,6 +68,7 @@ def test_the_wrapper_is_used_where_the_direct_path_would_differ(smol_tokenizer):
     t = ChatTemplate(tok)
     assert t._backend() is None
     assert len(t.encode("one two three four five")) == 5   # the wrapper turns truncation off for the call
+    assert [len(ids) for ids in t.encode_many(["one two three four five", "six"])] == [5, 1]
 
     class Custom(type(smol_tokenizer)):
         def _decode(self, token_ids, **kwargs):

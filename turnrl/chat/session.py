@@ -259,6 +259,13 @@ class ChatSession:
 
     def finish(self) -> str:
         """Close the last turn and check parity with a full re-render; returns exact|token_drift|mismatch."""
+        full = self.close()
+        return self.judge(full, self.template.encode(full))
+
+    def close(self) -> str:
+        """Close the last turn (the template's tokens after the last assistant message) -> the full re-render of
+        the conversation, whose tokens `judge` compares with the ledger's. `finish` is both; a caller that
+        tokenizes elsewhere (the agent loop, in batches off its event loop) calls the two."""
         messages = self.traj.messages
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
         full = self._render(messages, generation=not ends_with_assistant)
@@ -269,8 +276,11 @@ class ChatSession:
                 closing = self._glue() if not self._text.endswith(self.template.assistant_suffix) else ""
             if closing:
                 self._append_pieces([(closing, Source.TEMPLATE)], self.traj.turns[-1].index)
+        return full
+
+    def judge(self, full: str, canonical: list[int]) -> str:
+        """Parity of the ledger against `full` (from `close`) and its tokens; returns exact|token_drift|mismatch."""
         seg = self.traj.segment
-        canonical = self.template.encode(full)
         # Decoded only when the ids differ (most ledgers are exact).
         ledger_text = None if canonical == seg.token_ids else self.template.decode(seg.token_ids)
         if ledger_text is None:

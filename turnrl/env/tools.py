@@ -21,11 +21,11 @@ import functools
 import inspect
 import math
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from turnrl.env.threads import in_daemon_thread
 from turnrl.ledger import ToolCall, ToolResult
 
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
@@ -51,33 +51,6 @@ class Tool(Protocol):
 
 async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
-
-
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """`fn()` in a thread of its own, as a future of the running loop.
-
-    Not a thread pool: a pool's threads are joined when the interpreter exits, so one tool blocked for good (a
-    dead socket read) kept the process alive after the run's summary. A daemon thread is abandoned at exit; its
-    call has already timed out and been recorded. A thread per call also means no call waits for a free worker
-    while its timeout runs (asyncio's default pool has cpu_count + 4 threads)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def run() -> None:
-        try:
-            value, failed = fn(), False
-        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            value, failed = (exc if not isinstance(exc, StopIteration) else RuntimeError(repr(exc))), True
-
-        def settle() -> None:
-            if not future.done():
-                future.set_exception(value) if failed else future.set_result(value)
-        try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass  # the loop is closed: nobody waits for this call any more
-    threading.Thread(target=run, name="turnrl-tool", daemon=True).start()
-    return future
 
 
 class Raised(Exception):
@@ -119,7 +92,7 @@ async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run a sync or async callable without blocking the event loop; a BaseException it raises becomes `Raised`."""
     if inspect.iscoroutinefunction(fn):
         return await _awaited(fn(*args, **kwargs))
-    return await _awaited(await _in_daemon_thread(functools.partial(_contained, fn, *args, **kwargs)))
+    return await _awaited(await in_daemon_thread(functools.partial(_contained, fn, *args, **kwargs)))
 
 
 def _param_docs(doc: str) -> dict[str, str]:

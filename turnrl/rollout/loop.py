@@ -28,6 +28,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from turnrl.chat.batch_encode import BatchEncoder
 from turnrl.chat.parsers import ToolCallParser
 from turnrl.chat.session import ChatMismatchError, ChatSession
 from turnrl.chat.templates import ChatTemplate
@@ -109,6 +110,7 @@ class AgentLoop:
         # The last turn is closed by the template's suffix when the trajectory ends (finish): room is kept for it,
         # so that the finished trajectory, not only its last turn, is within max_context_tokens.
         self.closing = len(template.encode(template.assistant_suffix)) if template.assistant_suffix else 0
+        self.encoder = BatchEncoder(template)
 
     def _tools_for(self, task: Task) -> dict[str, Any]:
         if task.tools is not None:
@@ -139,7 +141,8 @@ class AgentLoop:
             if task.interaction is not None:
                 interaction = await self._start_interaction(task, traj)
             await self._converse(task, traj, session, tools, interaction)
-            session.finish()
+            full = session.close()   # parity: the full re-render's tokens, batched off the event loop
+            session.judge(full, await self.encoder.encode(full))
             if traj.parity == "mismatch" and self.on_mismatch == "error":
                 traj.add_error("chat", f"ledger differs from a full re-render: {traj.metrics.get('parity_detail')}")
         except ChatMismatchError as exc:

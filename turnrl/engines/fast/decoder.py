@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from turnrl.engines.fast.cache_kernel import write_kv
 from turnrl.exact import model as exact_model
 from turnrl.exact import ops as exact_ops
 
@@ -106,6 +107,7 @@ class SlotDecoder:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.heads_index = torch.arange(self.shape.kv_heads, device=device)
+        self.fused_write = False   # DecodeStep turns it on where the Triton kernels run
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -183,7 +185,11 @@ class SlotDecoder:
 
     # -- decode pieces --------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
-        """Store one token's key/value [B, kv, D] for slots rows [B] at their positions pos [B]."""
+        """Store one token's key/value [B, kv, D] for slots rows [B] at their positions pos [B] (with
+        `fused_write`, one Triton kernel for both: cache_kernel.py)."""
+        if self.fused_write:
+            write_kv(k, v, self.keys[layer], self.values[layer], rows, pos)
+            return
         index = (rows[:, None], self.heads_index[None, :], pos[:, None])
         self.keys[layer].index_put_(index, k)
         self.values[layer].index_put_(index, v)
@@ -293,4 +299,10 @@ def exact_decode_post(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, valu
 def head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None,
          eps: float) -> torch.Tensor:
     """Final norm and LM head -> float32 logits (computed in the model dtype, as transformers does)."""
-    return F.linear(rms_norm(x, norm, eps), lm_head, bias).float()
+    return model_logits(x, norm, lm_head, bias, eps).float()
+
+
+def model_logits(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None,
+                 eps: float) -> torch.Tensor:
+    """`head` before the float32 cast: logits in the model dtype."""
+    return F.linear(rms_norm(x, norm, eps), lm_head, bias)

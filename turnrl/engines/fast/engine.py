@@ -10,7 +10,8 @@ One worker thread owns the GPU work, on its own CUDA stream. Each loop iteration
    first n_kv cache positions (n_kv: the 128-bucket above the longest possible live sequence). On the GPU the
    step for each (B, n_kv, truncation, greedy rows) is captured once as a CUDA graph and replayed; with
    `compile` on, the layer's pure pieces before and after the cache write go through torch.compile (dynamic
-   shapes: one compilation for every bucket), while head + sampling + bookkeeping run as eager kernels.
+   shapes: one compilation for every bucket), while head + sampling + bookkeeping run as eager kernels (on
+   CUDA, sampling without top-k/top-p is two Triton kernels, sample_kernel.py; `fused_sampling=False`: torch).
    Everything the step needs lives in preallocated per-slot tensors: last token, position, count, active flag,
    sampling parameters (temperature, top-k, top-p, seed key), stop ids, max tokens, the output tokens and
    logprobs. Stop and length checks happen on the device: a finished slot stops advancing by itself;
@@ -103,7 +104,7 @@ class FastEngine(WorkerEngine):
                  max_len: int = 4096, gather_ms: float = 5.0, seed: int = 0, model: Any = None,
                  compile: bool | None = None, cuda_graphs: bool | None = None, prefill_tokens: int = 16384,
                  max_stop_ids: int = 8, max_inflight: int = 4, exact: bool = False, prefix_cache: bool = False,
-                 partial_rollout: bool = False):
+                 partial_rollout: bool = False, fused_sampling: bool | None = None):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -133,8 +134,8 @@ class FastEngine(WorkerEngine):
                       "graph_replays": 0, "graphs": 0, "busy_s": 0.0, "interrupted": 0}
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         compile = (cuda if compile is None else compile) and not exact
-        self.step = DecodeStep(self.decoder, self.state, compile, graphs, self._stream,
-                               self.notes)
+        self.step = DecodeStep(self.decoder, self.state, compile, graphs, self._stream, self.notes,
+                               fused_sampling)
         # the prefix cache (slots.py): later turns continue their parked slot, groups copy a running prompt
         self.slots = SlotTable(max_batch_size, enabled=prefix_cache and not exact)
         self._cache_generation = self._cache_seen = 0   # bumped by weight updates: cached KV is stale

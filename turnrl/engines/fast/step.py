@@ -9,7 +9,8 @@ and replayed from then on. Graphs share one memory pool: they never run concurre
 it. With `compile`, `pre` and `post` go through torch.compile with dynamic shapes (one compilation serves
 every bucket), each falling back to its plain function if compiling fails; `finish` stays eager (on the
 H200's torch 2.11, inductor failed on it in every try: a scheduler error in split reductions over a 152k
-vocabulary, a Triton compile error in the fused hash kernel).
+vocabulary, a Triton compile error in the fused hash kernel). Its sampling, where no request truncates, is two
+hand-written Triton kernels on CUDA (sample_kernel.py), falling back to the torch sampler if they fail.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from turnrl.engines.fast.decoder import SlotDecoder, decode_post, exact_decode_post, head, pre_attention
-from turnrl.engines.fast.sampling import sample, sample_exact
+from turnrl.engines.fast import sample_kernel
+from turnrl.engines.fast.cache_kernel import write_kv
+from turnrl.engines.fast.decoder import (SlotDecoder, decode_post, exact_decode_post, head, model_logits,
+                                         pre_attention)
+from turnrl.engines.fast.sample_kernel import fused_sample
+from turnrl.engines.fast.sampling import sample, sample_exact, uniform
 from turnrl.exact import model as exact_model
 from turnrl.exact import ops as exact_ops
 
@@ -55,11 +60,14 @@ class SlotState:
 def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_bias: torch.Tensor | None,
                 eps: float, temperature: torch.Tensor, key: torch.Tensor, count: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, active: torch.Tensor, stop: torch.Tensor, max_tokens: torch.Tensor,
-                last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool, exact: bool = False
-                ) -> tuple[torch.Tensor, ...]:
-    """Head, sampling and the stop/length bookkeeping of one decode step (pure; the caller stores it)."""
+                last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool, exact: bool = False,
+                fused: bool = False) -> tuple[torch.Tensor, ...]:
+    """Head, sampling and the stop/length bookkeeping of one decode step (pure; the caller stores it). `fused`:
+    sampling without truncation through the Triton kernels (sample_kernel.py) on the model-dtype logits."""
     if exact:
         tokens, logprobs = sample_exact(exact_ops.head_logits(x, norm, lm_head, lm_bias, eps), temperature, key, count)
+    elif fused and not truncate:
+        tokens, logprobs = fused_sample(model_logits(x, norm, lm_head, lm_bias, eps), temperature, uniform(key, count))
     else:
         tokens, logprobs = sample(head(x, norm, lm_head, lm_bias, eps), temperature, key, count, top_k, top_p,
                                   truncate, greedy)
@@ -74,13 +82,41 @@ class DecodeStep:
     """One decode step over the slot cache, eager or replayed from CUDA graphs."""
 
     def __init__(self, decoder: SlotDecoder, state: SlotState, compile: bool, graphs: bool,
-                 stream: torch.cuda.Stream | None, notes: list[str]):
+                 stream: torch.cuda.Stream | None, notes: list[str], fused_sampling: bool | None = None):
         self.decoder, self.state, self.notes, self.stream = decoder, state, notes, stream
+        # None: the Triton sampling kernels wherever they can run (not in exact mode: its sampler is the trainer's)
+        can_fuse = sample_kernel.available(decoder.embed.device) and not decoder.exact
+        if fused_sampling and not can_fuse:
+            raise ValueError("fused sampling needs a CUDA device, Triton and engine.exact off")
+        self.fused = can_fuse if fused_sampling is None else fused_sampling
+        decoder.fused_write = sample_kernel.available(decoder.embed.device) and self._write_kernel_works()
         self.max_len = decoder.max_len
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.units = self._make_units(compile)
+
+    def _write_kernel_works(self) -> bool:
+        """The cache write's Triton kernel, built and checked once on scratch tensors against `index_put_`
+        (a failure leaves the cache writes on `index_put_`, with a note)."""
+        d = self.decoder
+        try:
+            device, dtype = d.embed.device, d.embed.dtype
+            kv, dim = d.shape.kv_heads, d.shape.head_dim
+            keys = torch.zeros(3, kv, 8, dim, device=device, dtype=dtype)
+            values, expected = torch.zeros_like(keys), torch.zeros_like(keys)
+            fresh = torch.randn(2, kv, 2 * dim, device=device).to(dtype)    # strided views, as the qkv slices are
+            rows, pos = torch.tensor([2, 0], device=device), torch.tensor([5, 1], device=device)
+            write_kv(fresh[..., :dim], fresh[..., dim:], keys, values, rows, pos)
+            expected[rows[:, None], torch.arange(kv, device=device)[None], pos[:, None]] = fresh[..., :dim]
+            if torch.equal(keys, expected):
+                return True
+            problem = "it wrote other values than index_put_"
+        except Exception as exc:  # noqa: BLE001
+            problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+        self.notes.append(f"the cache-write kernel is off, index_put_ writes the cache: {problem}")
+        log.warning(self.notes[-1])
+        return False
 
     def __call__(self, batch: int, n_kv: int, truncate: bool, greedy: bool) -> str:
         """Run one step; says how: 'eager', 'replayed' or 'captured' (ran, and captured for next time)."""
@@ -117,8 +153,17 @@ class DecodeStep:
             return (exact_decode_post if exact else decode_post)(x, q, keys, values, pos, n_kv, w, shape)
 
         def finish(x, temperature, key, count, top_k, top_p, active, stop, max_tokens, last, pos, truncate, greedy):
-            return finish_step(x, d.norm, d.lm_head, d.lm_head_bias, shape.eps, temperature, key, count, top_k,
-                               top_p, active, stop, max_tokens, last, pos, truncate, greedy, exact)
+            args = (x, d.norm, d.lm_head, d.lm_head_bias, shape.eps, temperature, key, count, top_k, top_p, active,
+                    stop, max_tokens, last, pos, truncate, greedy, exact)
+            if self.fused and not truncate:
+                try:
+                    return finish_step(*args, fused=True)
+                except Exception as exc:  # noqa: BLE001 - a Triton build or launch failure: the torch sampler
+                    self.fused = False
+                    self.notes.append(f"the fused sampling kernels failed, sampling runs in torch: "
+                                      f"{type(exc).__name__}: {str(exc)[:300]}")
+                    log.warning(self.notes[-1])
+            return finish_step(*args)
         if not compiled or exact:   # exact: eager kernels, the trainer's (a compiler may fuse and round otherwise)
             return {"pre": pre, "post": post, "finish": finish}
         for table in d.keys + d.values + [d.cos, d.sin]:

@@ -1,0 +1,33 @@
+"""The decode step's cache-write kernel against index_put_ (on the CPU through Triton's interpreter)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from turnrl.engines.fast import cache_kernel
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cache_kernel._kernel.cache_clear()
+    yield
+    cache_kernel._kernel.cache_clear()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter runs on the CPU)")
+@pytest.mark.parametrize("dim", [64, 80])            # 80: a head size that is no power of two
+def test_the_kernel_writes_what_index_put_writes(interpreted, dim):
+    slots, kv, length = 6, 2, 16
+    keys = torch.randn(slots, kv, length, dim).to(torch.bfloat16)
+    values = torch.randn_like(keys)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    qkv = torch.randn(4, kv, 3 * dim).to(torch.bfloat16)          # k and v as strided views of one tensor
+    k, v = qkv[..., dim:2 * dim], qkv[..., 2 * dim:]
+    rows, pos = torch.tensor([4, 0, 5, 2]), torch.tensor([3, 0, 15, 7])
+    cache_kernel.write_kv(k, v, keys, values, rows, pos)
+    index = (rows[:, None], torch.arange(kv)[None], pos[:, None])
+    expected_keys.index_put_(index, k)
+    expected_values.index_put_(index, v)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
