@@ -8,14 +8,6 @@ import torch
 from turnrl.engines.fast import cache_kernel
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cache_kernel._kernel.cache_clear()
-    yield
-    cache_kernel._kernel.cache_clear()
-
-
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter runs on the CPU)")
 @pytest.mark.parametrize("dim", [64, 80])            # 80: a head size that is no power of two
 def test_the_kernel_writes_what_index_put_writes(interpreted, dim):

@@ -12,15 +12,6 @@ from turnrl.engines.fast.sampling import sample, seed_key, uniform
 triton_missing = importlib.util.find_spec("triton") is None
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """The kernels built for Triton's CPU interpreter (numpy), and rebuilt for whatever comes after."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    sample_kernel._kernels.cache_clear()
-    yield
-    sample_kernel._kernels.cache_clear()
-
-
 def reference(logits, temperature, key, counter):
     rows = logits.shape[0]
     return sample(logits.float(), temperature, key, counter, torch.zeros(rows, dtype=torch.long),
