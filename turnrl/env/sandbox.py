@@ -53,7 +53,8 @@ class WorkerCrashed(RuntimeError):
 @dataclass(frozen=True)
 class SandboxSettings:
     timeout_s: float = 5.0               # wall clock per snippet
-    cpu_s: int = 0                       # CPU seconds per snippet; 0: the timeout, rounded up
+    cpu_s: int = 0                       # CPU seconds per snippet; 0: one past the timeout (rounded up), so
+                                         # a busy loop is killed by the wall clock and reported as timed out
     memory_mb: int = 512                 # address space per process
     file_mb: int = 16                    # largest file the code may write
     work_mb: int = 64                    # the working directory's size (a tmpfs)
@@ -114,7 +115,7 @@ class Worker:
         readonly = [os.path.realpath(sys.base_prefix)] + [os.path.realpath(p) for p in s.import_paths]
         self._send({"settings": {
             "isolate": self.isolate, "host_dir": self.host_dir, "uid": uid, "gid": gid, "readonly": readonly,
-            "timeout_s": s.timeout_s, "cpu_s": s.cpu_s or max(1, int(-(-s.timeout_s // 1))),
+            "timeout_s": s.timeout_s, "cpu_s": s.cpu_s or int(-(-s.timeout_s // 1)) + 1,
             "memory_mb": s.memory_mb, "file_mb": s.file_mb, "work_mb": s.work_mb, "max_procs": s.max_procs,
             "max_output_bytes": s.max_output_bytes, "import_paths": readonly[1:]}})
         deadline = time.monotonic() + START_TIMEOUT_S
