@@ -85,11 +85,12 @@ class DecodeStep:
                  stream: torch.cuda.Stream | None, notes: list[str], fused_sampling: bool | None = None):
         self.decoder, self.state, self.notes, self.stream = decoder, state, notes, stream
         # None: the Triton sampling kernels wherever they can run (not in exact mode: its sampler is the trainer's)
-        can_fuse = sample_kernel.available(decoder.embed.device) and not decoder.exact
+        kernels = sample_kernel.available(decoder.embed.device)
+        can_fuse = kernels and not decoder.exact
         if fused_sampling and not can_fuse:
             raise ValueError("fused sampling needs a CUDA device, Triton and engine.exact off")
         self.fused = can_fuse if fused_sampling is None else fused_sampling
-        decoder.fused_write = sample_kernel.available(decoder.embed.device) and self._write_kernel_works()
+        decoder.fused_write = kernels and self._write_kernel_works()
         self.max_len = decoder.max_len
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
