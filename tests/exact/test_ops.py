@@ -103,3 +103,51 @@ def test_head_logprobs_match_log_softmax_and_its_gradient():
     h.grad = w.grad = None
     ref.gather(1, labels[:, None]).sum().backward()
     assert torch.allclose(gh, h.grad, atol=1e-4) and torch.allclose(gw, w.grad, atol=1e-4)
+
+
+def test_attention_kernel_query_is_the_same_in_prefill_decode_and_a_longer_cache(interpreted):
+    """The CUDA attention kernel (here under Triton's interpreter, float16: the interpreter's bf16 dots are
+    wrong, so it widens them): a query's bits alone, inside a prefill tile and over longer or shorter caches."""
+    from turnrl.exact import triton_ops
+    g = torch.Generator().manual_seed(1)
+    r, kv, group, d, t = 2, 2, 3, 16, 150
+    q, k, v = (torch.randn(r, kv, n, d, generator=g).half() for n in (t * group, 192, 192))
+    qpos = torch.arange(t).repeat_interleave(group).expand(r, -1)
+
+    def attend(*args):
+        return triton_ops.attention(*args, 0.25, ops.KEY_BLOCK, ops.QUERY_TILE)
+    full = attend(q, k, v, qpos)
+    sl = slice(100 * group, 101 * group)
+    stale = torch.randn(1, kv, 64, d, generator=g).half()
+    longer = attend(q[1:2, :, sl], torch.cat([k[1:2], stale], 2), torch.cat([v[1:2], stale], 2), qpos[1:2, sl])
+    assert torch.equal(longer, full[1:2, :, sl])
+    assert torch.equal(attend(q[1:2, :, sl], k[1:2, :, :128], v[1:2, :, :128], qpos[1:2, sl]), full[1:2, :, sl])
+    s = (q.float() @ k.float().transpose(-1, -2)) * 0.25
+    s = s.masked_fill(torch.arange(192)[None, None, None] > qpos[:, None, :, None], float("-inf"))
+    assert torch.allclose(full.float(), torch.softmax(s, -1) @ v.float(), atol=2e-3)
+
+
+def test_rms_norm_kernel_rows_do_not_depend_on_the_batch(interpreted):
+    from turnrl.exact import triton_ops
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(37, 896, generator=g).half(), torch.randn(896, generator=g).half()
+    y = triton_ops._rms_launch(x, w, 1e-6)
+    assert torch.equal(triton_ops._rms_launch(x[20:21], w, 1e-6), y[20:21])
+    assert torch.allclose(y.float(), triton_ops.plain_rms_norm(x, w, 1e-6).float(), atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rms_norm_is_batch_invariant_and_has_the_plain_gradient():
+    from turnrl.exact import triton_ops
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 896, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(896, generator=g).to("cuda", torch.bfloat16)
+    assert triton_ops.rms_usable(x, w)
+    y = ops.rms_norm(x, w, 1e-6)
+    assert torch.equal(ops.rms_norm(x[7:8], w, 1e-6), y[7:8]) and torch.equal(ops.rms_norm(x[5:263], w, 1e-6), y[5:263])
+    assert torch.allclose(y.float(), triton_ops.plain_rms_norm(x, w, 1e-6).float(), atol=3e-2)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ops.rms_norm(xg, wg, 1e-6).float().sum().backward()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    triton_ops.plain_rms_norm(xr, wr, 1e-6).float().sum().backward()
+    assert torch.equal(xg.grad, xr.grad) and torch.equal(wg.grad, wr.grad)

@@ -17,7 +17,8 @@ reduction in the forward has an order that depends on nothing but the token's ow
   plus a tree of zeros. Maxima are exact in any order;
 - attention (`ops.attention`): each query against key blocks of `KEY_BLOCK` keys at fixed absolute positions,
   scores and block sums from fixed-shape tile GEMMs in float32, a two-pass softmax (exact maximum, then the
-  tree sums), masked keys contributing exact zeros. So a query's output is the same bits in a prompt's
+  tree sums), masked keys contributing exact zeros (on CUDA one Triton kernel with an online softmax over the
+  same key blocks in position order, `triton_ops.attention`; RMSNorm likewise one kernel per row). So a query's output is the same bits in a prompt's
   prefill, in a one-token decode step over a slot cache of any length, and in the trainer's full-sequence pass;
 - the head and log-softmax (`ops.token_logprobs`): tiled GEMM to float32 logits, exact max, tree log-sum-exp.
 

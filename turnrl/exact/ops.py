@@ -51,7 +51,10 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with float32 statistics (tree-summed), the scale applied in the input dtype."""
+    """RMSNorm with float32 statistics (tree-summed; on CUDA one kernel per row, `triton_ops.rms_norm`), the
+    scale applied in the input dtype."""
+    if triton_ops.rms_usable(x, weight):
+        return triton_ops.rms_norm(x, weight, eps)
     h = x.float()
     mean_square = tree_sum(h * h) / h.shape[-1]
     h = h * torch.rsqrt(mean_square + eps).unsqueeze(-1)
@@ -120,6 +123,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # -- attention ----------------------------------------------------------------------------------------------
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float) -> torch.Tensor:
+    if triton_ops.attention_usable(q):   # on CUDA one kernel, the same scheme as an online softmax
+        return triton_ops.attention(q, k, v, qpos, scale, KEY_BLOCK, QUERY_TILE)
     r, kv, m, d = q.shape
     length = k.shape[2]
     blocks = length // KEY_BLOCK
