@@ -150,10 +150,12 @@ CHILD = "TURNRL_TEST_TRITON_INTERPRETER"
 def interpreted(monkeypatch):
     """turnrl's Triton kernels (the fast engine's, the exact mode's) built for Triton's CPU interpreter (numpy),
     in a process of their own."""
-    from turnrl.engines.fast import cache_kernel, sample_kernel
+    from turnrl.engines.fast import attention_kernel, cache_kernel, sample_kernel
     from turnrl.exact import triton_ops
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    caches = (sample_kernel._kernels, cache_kernel._kernel, triton_ops._attention_kernel, triton_ops._rms_kernel)
+    caches = (sample_kernel._kernels, cache_kernel._kernel, attention_kernel._kernels, triton_ops._attention_kernel,
+              triton_ops._rms_kernel, triton_ops._matmul_kernel, triton_ops._elementwise_kernels,
+              triton_ops._vocab_kernel)
     for cache in caches:
         cache.cache_clear()
     yield

@@ -136,6 +136,88 @@ def test_rms_norm_kernel_rows_do_not_depend_on_the_batch(interpreted):
     assert torch.allclose(y.float(), triton_ops.plain_rms_norm(x, w, 1e-6).float(), atol=1e-2)
 
 
+def test_matmul_kernel_rows_do_not_depend_on_the_batch(interpreted):
+    """The Triton GEMM (CUDA bf16/fp16 `ops.linear`) under the interpreter: a row alone, in a few rows or in
+    a call of many gives the same bits (K and N not multiples of the blocks: masked tails)."""
+    from turnrl.exact import triton_ops
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(150, 96, generator=g).half(), torch.randn(200, 96, generator=g).half()
+    full = triton_ops.matmul(x, w)
+    for rows in (slice(7, 8), slice(0, 5), slice(60, 150)):
+        assert torch.equal(triton_ops.matmul(x[rows], w), full[rows])
+    assert torch.allclose(full.float(), x.float() @ w.float().T, atol=2e-2, rtol=1e-3)
+
+
+def test_vocab_tree_kernel_is_the_plain_tree_and_its_search(interpreted):
+    """The head's vocabulary kernel under the interpreter: the level it writes is the plain tree's level over
+    its leaves, bit for bit; rebuilding a group's bottom levels finds the leaf the full tree finds; a row's
+    result does not depend on the other rows."""
+    from turnrl.exact import triton_ops
+    g = torch.Generator().manual_seed(7)
+    vocab = 9000   # P = 16384 = W 4096 x 4 members, 3 levels below
+    logits = torch.randn(6, vocab, generator=g) * 4
+    temp = torch.tensor([[1.0], [0.7], [1.3], [1.0], [0.5], [2.0]])
+    top = logits.amax(-1, keepdim=True) / temp
+    leaves, level = triton_ops.vocab_tree(logits, temp.squeeze(1), top.squeeze(1))
+    width, below = triton_ops.vocab_split(vocab)
+    assert (width, below) == (4096, 2) and level.shape == (6, 4096)
+    assert torch.allclose(leaves, torch.exp(logits / temp - top), rtol=1e-5)
+    full = ops.tree_levels(leaves)
+    assert torch.equal(level, full[below])
+    tree = ops.SoftmaxTree(logits, temp, top.squeeze(1), leaves, ops.tree_levels(level), below)
+    plain = ops.SoftmaxTree(logits, temp, top.squeeze(1), leaves, full, 0)
+    target = torch.rand(6, generator=g) * tree.total
+    assert torch.equal(ops.tree_search(tree, target), ops.tree_search(plain, target))
+    one, one_level = triton_ops.vocab_tree(logits[2:3], temp[2], top[2])
+    assert torch.equal(one, leaves[2:3]) and torch.equal(one_level, level[2:3])
+
+
+def test_tree_search_lands_where_the_cumulative_weight_passes_the_target():
+    g = torch.Generator().manual_seed(8)
+    weights = torch.rand(4, 37, generator=g, dtype=torch.float64)
+    logits = weights.log()
+    tree = ops.softmax_tree(logits, torch.ones(4, 1, dtype=torch.float64))
+    target = torch.rand(4, generator=g, dtype=torch.float64) * tree.total
+    found = ops.tree_search(tree, target)
+    # the tree pairs leaf i with i + P / 2 first, so its left subtree holds the even leaves: its leaf order is
+    # the bit-reversed one (padding zeros included, P = 64)
+    order = torch.tensor(sorted(range(64), key=lambda i: int(f"{i:06b}"[::-1], 2)))
+    padded = torch.cat([tree.leaves, tree.leaves.new_zeros(4, 64 - 37)], dim=1)[:, order]
+    passed = (torch.cumsum(padded, -1) <= target[:, None]).sum(-1)   # leaves whose running sum stays below
+    assert torch.equal(found, order[passed])
+
+
+def test_elementwise_kernels_are_the_plain_functions(interpreted):
+    from turnrl.exact import triton_ops
+    g = torch.Generator().manual_seed(9)
+    gate_up = torch.randn(5, 7, 2 * 300, generator=g).half()
+    gate, up = gate_up.chunk(2, dim=-1)
+    fused = triton_ops.silu_mul(gate, up)
+    assert torch.allclose(fused.float(), ops.plain_silu_mul(gate, up).float(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(triton_ops.silu_mul(gate[2:3], up[2:3]), fused[2:3])
+    qkv = torch.randn(3, 11, 6 * 64, generator=g).half()
+    q = qkv[..., :4 * 64].reshape(3, 11, 4, 64)           # a strided view, as the engine's q is
+    angles = torch.randn(11, 64, generator=g)
+    cos, sin = angles.cos().half()[None, :, None], angles.sin().half()[None, :, None]
+    rotated = triton_ops.rope(q, cos, sin)
+    assert torch.allclose(rotated.float(), ops.plain_rope(q, cos, sin).float(), atol=4e-3, rtol=4e-3)
+    assert torch.equal(triton_ops.rope(q[1:2, 4:9], cos[:, 4:9], sin[:, 4:9]), rotated[1:2, 4:9])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_linear_is_batch_invariant_from_one_row_to_a_prefill():
+    """On the GPU: a decode-sized call, a single row and a 5000-row prefill give the same bits per row, at
+    the 0.5B model's shapes (qkv, MLP down, a vocabulary-wide head)."""
+    g = torch.Generator().manual_seed(6)
+    for n, k in ((1152, 896), (896, 4864), (151936, 896)):
+        w = (torch.randn(n, k, generator=g) * 0.05).to("cuda", torch.bfloat16)
+        x = torch.randn(5000 if n < 100000 else 700, k, generator=g).to("cuda", torch.bfloat16)
+        full = ops.linear(x, w)
+        for rows in (slice(3, 4), slice(0, 256), slice(300, 557), slice(x.shape[0] - 1, None)):
+            assert torch.equal(ops.linear(x[rows], w), full[rows]), (n, k, rows)
+        assert torch.allclose(full.float(), x.float() @ w.float().T, atol=0.1, rtol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_rms_norm_is_batch_invariant_and_has_the_plain_gradient():
     from turnrl.exact import triton_ops

@@ -7,7 +7,7 @@ agreement with anything.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +62,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up from plain elementwise ops (CPU kernels may take another exp in a vector loop's tail)."""
+    """SiLU(gate) * up from plain elementwise ops (CPU kernels may take another exp in a vector loop's tail);
+    on CUDA one kernel (`triton_ops.silu_mul`)."""
+    if triton_ops.elementwise_usable(gate):
+        return triton_ops.with_plain_gradient(triton_ops.silu_mul, plain_silu_mul, gate, up)
+    return plain_silu_mul(gate, up)
+
+
+def plain_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g = gate.float()
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
@@ -76,13 +83,23 @@ def rope_tables(inv_freq: torch.Tensor, scaling: float, length: int, dtype: torc
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., heads, D] (cos/sin [..., 1, D]); on CUDA one kernel (`triton_ops.rope`)."""
+    if triton_ops.elementwise_usable(x) and cos.dtype == x.dtype:
+        return triton_ops.with_plain_gradient(triton_ops.rope, plain_rope, x, cos, sin)
+    return plain_rope(x, cos, sin)
+
+
+def plain_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 # -- matmuls ------------------------------------------------------------------------------------------------
 def _tiled(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """x [N, K] @ weight.T, one fixed-shape [tile, K] GEMM per tile of rows (the tail zero-padded)."""
+    """x [N, K] @ weight.T, one fixed-shape [tile, K] GEMM per tile of rows (the tail zero-padded); on CUDA in
+    bf16/fp16 one Triton GEMM of fixed blocking instead (`triton_ops.matmul`)."""
+    if triton_ops.matmul_usable(x, weight):
+        return triton_ops.matmul(x, weight)
     n = x.shape[0]
     pad = (-n) % tile
     if pad or not x.is_contiguous():
@@ -196,28 +213,76 @@ def pad_keys(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
 
 
 # -- the head -------------------------------------------------------------------------------------------------
-def softmax_tree(logits: torch.Tensor, temperature: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """logits [N, V] float32, temperature [N, 1] float32 (1 for greedy rows) -> (scaled logits, row maxima
-    [N], tree levels of exp(scaled - max)): what the log-sum-exp and the engine's sampler both read."""
-    scaled = logits / temperature
-    top = scaled.amax(dim=-1, keepdim=True)
-    return scaled, top.squeeze(-1), tree_levels(torch.exp(scaled - top))
+class SoftmaxTree(NamedTuple):
+    """exp(logits / t - max) and the fixed pairwise tree over it, as the log-sum-exp and the sampler read it.
+
+    `levels` are `tree_levels` levels `below`, `below` + 1, ..., the root: all of them (`below` = 0, levels[0]
+    the zero-padded leaves) on CPUs; on CUDA the kernel `triton_ops.vocab_tree` writes level `below` and
+    `leaves` holds the leaves unpadded, from which a group's bottom levels are rebuilt in the same order."""
+    logits: torch.Tensor        # [N, V] float32
+    temperature: torch.Tensor   # [N, 1] float32
+    top: torch.Tensor           # [N]: max of logits / t
+    leaves: torch.Tensor        # [N, V]
+    levels: list[torch.Tensor]
+    below: int
+
+    @property
+    def total(self) -> torch.Tensor:
+        return self.levels[-1][..., 0]
+
+    def scaled(self) -> torch.Tensor:
+        return self.logits / self.temperature
+
+
+def softmax_tree(logits: torch.Tensor, temperature: torch.Tensor) -> SoftmaxTree:
+    """logits [N, V] float32, temperature [N, 1] float32 (1 for greedy rows)."""
+    # division by t > 0 is monotone, so max(l / t) = max(l) / t exactly, without an [N, V] temporary
+    top = logits.amax(dim=-1, keepdim=True) / temperature
+    if triton_ops.vocab_usable(logits):
+        leaves, level = triton_ops.vocab_tree(logits, temperature.squeeze(-1), top.squeeze(-1))
+        _, below = triton_ops.vocab_split(logits.shape[-1])
+        return SoftmaxTree(logits, temperature, top.squeeze(-1), leaves, tree_levels(level), below)
+    levels = tree_levels(torch.exp(logits / temperature - top))
+    return SoftmaxTree(logits, temperature, top.squeeze(-1), levels[0][..., :logits.shape[-1]], levels, 0)
+
+
+def _descend(levels: list[torch.Tensor], target: torch.Tensor, index: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    for j in range(len(levels) - 1, 0, -1):
+        left = levels[j - 1].gather(1, index[:, None]).squeeze(1)
+        right = target >= left
+        target = torch.where(right, target - left, target)
+        index = torch.where(right, index + levels[j].shape[-1], index)
+    return target, index
+
+
+def tree_search(tree: SoftmaxTree, target: torch.Tensor) -> torch.Tensor:
+    """The leaf [N] where the tree's cumulative weight passes `target` [N] (0 <= target < total): from the
+    root down, right where the target reaches past the left child's sum. No scan, whose order would depend on
+    the batch. It may land on a zero leaf (padding) when rounding walks past the last positive weight."""
+    target, index = _descend(tree.levels, target, torch.zeros_like(target, dtype=torch.long))
+    if tree.below:   # rebuild the bottom levels of the group index, index + W, ... from its stored leaves
+        width, vocab = tree.levels[0].shape[-1], tree.leaves.shape[-1]
+        members = index[:, None] + torch.arange(1 << tree.below, device=index.device) * width
+        inside = members < vocab
+        group = torch.where(inside, tree.leaves.gather(1, members.clamp(max=vocab - 1)), 0.0)
+        _, member = _descend(tree_levels(group), target, torch.zeros_like(index))
+        index = index + member * width
+    return index
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
-                   tree: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None,
-                   entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   tree: SoftmaxTree | None = None, entropy: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(logprobs [N], log-sum-exp [N], entropy [N]) of `tokens` [N] under softmax(logits / temperature),
     the sums in tree order; `tree` reuses a `softmax_tree` of the same arguments."""
-    scaled, top, levels = tree if tree is not None else softmax_tree(logits, temperature)
-    z = levels[-1][..., 0]
-    lse = top + torch.log(z)
-    lp = scaled.gather(1, tokens[:, None]).squeeze(1) - lse
+    tree = tree if tree is not None else softmax_tree(logits, temperature)
+    z = tree.total
+    lse = tree.top + torch.log(z)
+    lp = logits.gather(1, tokens[:, None]).squeeze(1) / temperature.squeeze(1) - lse
     if not entropy:
         return lp, lse, None
-    e = levels[0][..., :scaled.shape[-1]]
-    return lp, lse, lse - tree_sum(e * scaled) / z
+    return lp, lse, lse - tree_sum(tree.leaves * tree.scaled()) / z
 
 
 def head_logits(hidden: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -245,22 +245,268 @@ def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * h.to(x.dtype)
 
 
-class _RMSNorm(torch.autograd.Function):
+class _PlainGradient(torch.autograd.Function):
+    """forward: `fast(*tensors)` (a kernel); backward: the gradient of `plain(*tensors)`, the same function in
+    plain torch ops, recomputed (gradients need no bitwise agreement with anything)."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _rms_launch(x, weight, eps)
+    def forward(ctx: Any, fast: Any, plain: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        ctx.plain = plain
+        return fast(*tensors)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        x, weight = ctx.saved_tensors
+        tensors = ctx.saved_tensors
+        wanted = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[i + 2]]
+        grads: list[torch.Tensor | None] = [None] * len(tensors)
         with torch.enable_grad():
-            xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            gx, gw = torch.autograd.grad(plain_rms_norm(xd, wd, ctx.eps), (xd, wd), grad)
-        return gx, gw, None
+            inputs = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(tensors)]
+            found = torch.autograd.grad(ctx.plain(*inputs), [inputs[i] for i in wanted], grad)
+        for i, g in zip(wanted, found):
+            grads[i] = g
+        return (None, None, *grads)
+
+
+def with_plain_gradient(fast: Any, plain: Any, *tensors: torch.Tensor) -> torch.Tensor:
+    """`fast(*tensors)`, differentiable through `plain` where any input needs a gradient."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _PlainGradient.apply(fast, plain, *tensors)
+    return fast(*tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`ops.rms_norm` on CUDA in one kernel (`rms_usable`), differentiable."""
-    return _RMSNorm.apply(x, weight, eps)
+    return with_plain_gradient(functools.partial(_rms_launch, eps=eps), functools.partial(plain_rms_norm, eps=eps),
+                               x, weight)
+
+
+# -- matmul -------------------------------------------------------------------------------------------------
+# x [M, K] @ w[N, K].T in one launch of one compiled kernel: every output tile is one program that walks K in
+# blocks of MM_BLOCK_K from 0 upward, accumulating in float32 on the tensor cores, no split-K. The blocking
+# (tile shapes, warps, stages) is fixed, never chosen from M, so a row's result depends only on its own values
+# and the weight: the same bits in a prompt's prefill (M = tokens), a decode step (M = batch) and the
+# trainer's pass (M = tokens of a mini-batch). This replaces the fixed-shape library GEMM per 128-row tile,
+# whose one launch per tile made a 65k-token exact prefill cost ~49k launches.
+MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_GROUP_M, MM_WARPS, MM_STAGES = 64, 128, 64, 8, 4, 3
+
+
+@functools.lru_cache(maxsize=1)
+def _matmul_kernel() -> Any:
+    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def exact_matmul(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, WIDEN: tl.constexpr):
+        # grouped order (GROUP_M row tiles share each column tile in turn) for cache reuse; it decides only
+        # which program computes a tile, never how
+        pid = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_m + kk[None, :],
+                        mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + cols[:, None].to(tl.int64) * sw_n + kk[None, :],
+                        mask=(cols[:, None] < N) & (kk[None, :] < K), other=0.0)
+            if WIDEN:   # the interpreter's bf16/fp16 dots are wrong: widen there (tests)
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc)
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * so_m + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    return exact_matmul
+
+
+def matmul_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`matmul` takes x and weight: bf16/fp16 on CUDA, the same dtype, Triton there."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and _matmul_kernel() is not None)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype, batch-invariant (see above)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        grid = (-(-m // MM_BLOCK_M) * -(-n // MM_BLOCK_N),)
+        _matmul_kernel()[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                               BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K, GROUP_M=MM_GROUP_M,
+                               WIDEN=not x.is_cuda, num_warps=MM_WARPS, num_stages=MM_STAGES)
+    return out
+
+
+# -- elementwise: SiLU(gate) * up, rotary ---------------------------------------------------------------------
+# Elementwise results are batch-invariant anyway; these are one launch each instead of the five to eight small
+# ones of the plain torch expressions (which a decode step runs per layer). Both sides call them, so the
+# engine and the trainer agree on their bits; the gradients are the plain expressions' (`ops`).
+ELEMENTWISE_BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=1)
+def _elementwise_kernels() -> Any:
+    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def exact_silu_mul(g_ptr, u_ptr, out_ptr, width, sg, su, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + row * sg + c, mask=c < width, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * su + c, mask=c < width, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + row * width + c, y.to(out_ptr.dtype.element_ty), mask=c < width)
+
+    @triton.jit
+    def exact_rope(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx_t, sx_h, sc_t, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # one token: x [heads, 2 * HALF] (row stride sx_h), cos/sin [2 * HALF]
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        live = (h[:, None] < heads) & (d[None, :] < HALF)
+        base = x_ptr + t * sx_t + h[:, None] * sx_h + d[None, :]
+        lo = tl.load(base, mask=live, other=0.0).to(tl.float32)
+        hi = tl.load(base + HALF, mask=live, other=0.0).to(tl.float32)
+        c_lo = tl.load(cos_ptr + t * sc_t + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        c_hi = tl.load(cos_ptr + t * sc_t + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        s_lo = tl.load(sin_ptr + t * sc_t + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        s_hi = tl.load(sin_ptr + t * sc_t + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + t * heads * 2 * HALF + h[:, None] * 2 * HALF + d[None, :]
+        tl.store(out, (lo * c_lo - hi * s_lo).to(out_ptr.dtype.element_ty), mask=live)
+        tl.store(out + HALF, (hi * c_hi + lo * s_hi).to(out_ptr.dtype.element_ty), mask=live)
+
+    return exact_silu_mul, exact_rope
+
+
+def elementwise_usable(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _elementwise_kernels() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last] with a unit last stride (a view where the layout allows)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up (same shape; rows may be strided views, e.g. the halves of a stacked projection)."""
+    g, u = _rows(gate), _rows(up)
+    rows, width = g.shape
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    if rows and width:
+        grid = (rows, -(-width // ELEMENTWISE_BLOCK))
+        _elementwise_kernels()[0][grid](g, u, out, width, g.stride(0), u.stride(0), BLOCK=ELEMENTWISE_BLOCK,
+                                        num_warps=4)
+    return out.reshape(gate.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, D] rotated by cos/sin [..., 1, D] (broadcast over the leading axes), in fp32, rounded once."""
+    *lead, heads, d = x.shape
+    tokens = x.reshape(-1, heads, d)
+    if tokens.stride(-1) != 1:
+        tokens = tokens.contiguous()
+    n = tokens.shape[0]
+    c = cos.expand(*lead, 1, d).reshape(n, d).contiguous()
+    s = sin.expand(*lead, 1, d).reshape(n, d).contiguous()
+    out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
+    if n:
+        _elementwise_kernels()[1][(n,)](tokens, c, s, out, heads, tokens.stride(0), tokens.stride(1), c.stride(0),
+                                        HALF=d // 2, BLOCK_H=max(1, 1 << max(heads - 1, 0).bit_length()),
+                                        BLOCK_D=max(16, 1 << max(d // 2 - 1, 0).bit_length()), num_warps=4)
+    return out.reshape(x.shape)
+
+
+# -- the head's softmax tree over the vocabulary -----------------------------------------------------------
+# `ops.tree_levels` over a row of V logits pads it to P = 2**k and halves it k times; level b's entry i is the
+# tree over the strided group i, i + W, i + 2W, ... (W = P / 2**b, S = 2**b members), member m paired with
+# m + S / 2 first. This kernel computes the leaves exp(logits / t - max) once (stored: the sampler reads the
+# chosen group's leaves back) and the bottom b levels in registers, group by group, and writes level b only
+# ([rows, W]): the upper levels are then a small plain tree, and the same adds in the same order give the
+# same bits as the full tree would. With V = 151936 that is 4 MB at batch 256 instead of ~2 GB of levels.
+VOCAB_TOP_WIDTH = 4096   # W: width of the first level the kernel writes
+VOCAB_BLOCK = 64         # columns of level b per program
+
+
+@functools.lru_cache(maxsize=1)
+def _vocab_kernel() -> Any:
+    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def exact_vocab_tree(logits_ptr, temp_ptr, top_ptr, leaves_ptr, level_ptr, V, W, s_l,
+                         S: tl.constexpr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = tl.arange(0, S)
+        idx = m[:, None] * W + c[None, :]
+        live = idx < V
+        t = tl.load(temp_ptr + row)
+        top = tl.load(top_ptr + row)
+        x = tl.load(logits_ptr + row * s_l + idx, mask=live, other=0.0).to(tl.float32)
+        e = tl.where(live, tl.exp(tl.div_rn(x, t) - top), 0.0)
+        tl.store(leaves_ptr + row * V + idx, e, mask=live)
+        for level in tl.static_range(LEVELS):
+            # [i, j, 0] = e[i], [i, j, 1] = e[i + half] along the member axis (half = S >> (level + 1))
+            pairs = tl.permute(tl.reshape(e, (2, S >> (level + 1), BLOCK)), (1, 2, 0))
+            first, second = tl.split(pairs)
+            e = first + second
+        tl.store(level_ptr + row * W + c, tl.reshape(e, (BLOCK,)))
+
+    return exact_vocab_tree
+
+
+def vocab_split(vocab: int) -> tuple[int, int]:
+    """(W, b): the width of the level the kernel writes and how many levels lie below it."""
+    width = 1 << max(vocab - 1, 0).bit_length()
+    top = min(width, VOCAB_TOP_WIDTH)
+    return top, (width // top).bit_length() - 1
+
+
+def vocab_usable(logits: torch.Tensor) -> bool:
+    return (logits.is_cuda and logits.dtype == torch.float32 and vocab_split(logits.shape[-1])[1] > 0
+            and _vocab_kernel() is not None)
+
+
+def vocab_tree(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] float32 (unit last stride), temperature [N] and top [N] (the row max of logits / t)
+    -> (leaves exp(logits / t - top) [N, V], level b of their tree [N, W])."""
+    n, vocab = logits.shape
+    width, below = vocab_split(vocab)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    leaves = torch.empty((n, vocab), dtype=torch.float32, device=logits.device)
+    level = torch.empty((n, width), dtype=torch.float32, device=logits.device)
+    if n:
+        _vocab_kernel()[(n, width // VOCAB_BLOCK)](
+            logits, temperature.float().contiguous(), top.float().contiguous(), leaves, level, vocab, width,
+            logits.stride(0), S=1 << below, LEVELS=below, BLOCK=VOCAB_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return leaves, level

@@ -280,20 +280,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.matmul(probs, v).reshape(batch, heads * dim)
 
 
-def decode_post(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                n_kv: int, w: LayerWeights, shape: Shape) -> torch.Tensor:
-    return post_attention(x, decode_attention(q, keys, values, pos, n_kv, shape.scaling), w, shape)
-
-
-def exact_decode_post(x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      pos: torch.Tensor, n_kv: int, w: LayerWeights, shape: Shape) -> torch.Tensor:
-    """`decode_post` through the exact forward: q [B, heads, D] over the first n_kv cached positions."""
+def exact_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                           n_kv: int, shape: Shape) -> torch.Tensor:
+    """`decode_attention` through the exact forward: q [B, heads, D] over the first n_kv cached positions."""
     batch, heads, dim = q.shape
     group = heads // shape.kv_heads
     qpos = pos[:, None].expand(batch, group)
     out = exact_ops.attention(q.view(batch, shape.kv_heads, group, dim), keys[:batch, :, :n_kv],
                               values[:batch, :, :n_kv], qpos, shape.scaling)
-    return exact_model.post_attention(x, out.reshape(batch, heads * dim), w, shape)
+    return out.reshape(batch, heads * dim)
 
 
 def head(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, bias: torch.Tensor | None,

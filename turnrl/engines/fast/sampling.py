@@ -103,17 +103,12 @@ def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Ten
     greedy = temperature == 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     tree = exact_ops.softmax_tree(logits, temp)
-    scaled, _, levels = tree
-    target = uniform(key, counter) * levels[-1][:, 0]
-    index = torch.zeros_like(key)
-    for j in range(len(levels) - 1, 0, -1):
-        left = levels[j - 1].gather(1, index[:, None]).squeeze(1)
-        right = target >= left
-        target = torch.where(right, target - left, target)
-        index = torch.where(right, index + levels[j].shape[-1], index)
-    best = scaled.argmax(dim=-1)
+    index = exact_ops.tree_search(tree, uniform(key, counter) * tree.total)
+    best = logits.argmax(dim=-1)   # greedy rows have t = 1: the first maximal logit
     # rounding can walk past the last positive weight (u * total rounding up to total): take the mode then
-    index = torch.where(levels[0].gather(1, index[:, None]).squeeze(1) > 0, index, best)
+    vocab = logits.shape[-1]
+    landed = tree.leaves.gather(1, index.clamp(max=vocab - 1)[:, None]).squeeze(1)
+    index = torch.where((index < vocab) & (landed > 0), index, best)
     tokens = torch.where(greedy, best, index)
     logprobs, _, _ = exact_ops.token_logprobs(logits, tokens, temp, tree, entropy=False)
     return tokens, logprobs

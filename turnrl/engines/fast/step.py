@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from turnrl.engines.fast import sample_kernel
+from turnrl.engines.fast import attention_kernel, sample_kernel
 from turnrl.engines.fast.cache_kernel import write_kv
-from turnrl.engines.fast.decoder import (SlotDecoder, decode_post, exact_decode_post, head, model_logits,
-                                         pre_attention)
+from turnrl.engines.fast.decoder import (SlotDecoder, decode_attention, exact_decode_attention, head, model_logits,
+                                         post_attention, pre_attention)
 from turnrl.engines.fast.sample_kernel import fused_sample
 from turnrl.engines.fast.sampling import sample, sample_exact, uniform
 from turnrl.exact import model as exact_model
@@ -91,6 +91,9 @@ class DecodeStep:
             raise ValueError("fused sampling needs a CUDA device, Triton and engine.exact off")
         self.fused = can_fuse if fused_sampling is None else fused_sampling
         decoder.fused_write = kernels and self._write_kernel_works()
+        # bf16/fp16 only: float32 keeps the torch path (a Triton dot would round float32 inputs to tf32)
+        self.attention_kernel = (kernels and not decoder.exact and decoder.embed.dtype != torch.float32
+                                 and self._attention_kernel_works())
         self.max_len = decoder.max_len
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -116,6 +119,30 @@ class DecodeStep:
         except Exception as exc:  # noqa: BLE001
             problem = f"{type(exc).__name__}: {str(exc)[:300]}"
         self.notes.append(f"the cache-write kernel is off, index_put_ writes the cache: {problem}")
+        log.warning(self.notes[-1])
+        return False
+
+    def _attention_kernel_works(self) -> bool:
+        """The split-key decode attention kernels, built and checked once on scratch tensors against the torch
+        path (a failure leaves attention in torch, with a note)."""
+        d = self.decoder
+        try:
+            device, dtype = d.embed.device, d.embed.dtype
+            heads, kv, dim = d.shape.heads, d.shape.kv_heads, d.shape.head_dim
+            g = torch.Generator(device=device).manual_seed(0)
+            keys = torch.randn(3, kv, 384, dim, device=device, generator=g).to(dtype)
+            values = torch.randn(3, kv, 384, dim, device=device, generator=g).to(dtype)
+            q = torch.randn(3, heads, dim, device=device, generator=g).to(dtype)
+            pos = torch.tensor([0, 200, 383], device=device)
+            got = attention_kernel.decode_attention(q, keys, values, pos, 384, d.shape.scaling)
+            want = decode_attention(q, keys, values, pos, 384, d.shape.scaling)
+            error = (got.float() - want.float()).abs().max().item()
+            if error < 0.05:
+                return True
+            problem = f"its output differs from the torch path's by up to {error:.3g}"
+        except Exception as exc:  # noqa: BLE001
+            problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+        self.notes.append(f"the decode attention kernel is off, attention runs in torch: {problem}")
         log.warning(self.notes[-1])
         return False
 
@@ -150,8 +177,13 @@ class DecodeStep:
         def pre(x, w, cos, sin):
             return (exact_model.pre_attention if exact else pre_attention)(x, w, cos, sin, shape)
 
-        def post(x, q, keys, values, pos, n_kv, w):
-            return (exact_decode_post if exact else decode_post)(x, q, keys, values, pos, n_kv, w, shape)
+        def attend(q, keys, values, pos, n_kv):
+            if exact:
+                return exact_decode_attention(q, keys, values, pos, n_kv, shape)
+            return decode_attention(q, keys, values, pos, n_kv, shape.scaling)
+
+        def post(x, attn, w):
+            return (exact_model.post_attention if exact else post_attention)(x, attn, w, shape)
 
         def finish(x, temperature, key, count, top_k, top_p, active, stop, max_tokens, last, pos, truncate, greedy):
             args = (x, d.norm, d.lm_head, d.lm_head_bias, shape.eps, temperature, key, count, top_k, top_p, active,
@@ -165,13 +197,17 @@ class DecodeStep:
                                       f"{type(exc).__name__}: {str(exc)[:300]}")
                     log.warning(self.notes[-1])
             return finish_step(*args)
+        def kernel_attend(q, keys, values, pos, n_kv):   # split-key Triton kernels over the live positions
+            return attention_kernel.decode_attention(q, keys, values, pos, n_kv, shape.scaling)
         if not compiled or exact:   # exact: eager kernels, the trainer's (a compiler may fuse and round otherwise)
-            return {"pre": pre, "post": post, "finish": finish}
+            return {"pre": pre, "attend": kernel_attend if self.attention_kernel else attend, "post": post,
+                    "finish": finish}
         for table in d.keys + d.values + [d.cos, d.sin]:
             torch._dynamo.mark_static(table)      # fixed shapes: only batch and n_kv vary between steps
         # `finish` stays eager: inductor failed on it (see the module docstring)
-        return {"pre": Compiled("pre", pre, self.notes), "post": Compiled("post", post, self.notes),
-                "finish": finish}
+        return {"pre": Compiled("pre", pre, self.notes),
+                "attend": kernel_attend if self.attention_kernel else Compiled("attend", attend, self.notes),
+                "post": Compiled("post", post, self.notes), "finish": finish}
 
     def run(self, batch: int, n_kv: int, truncate: bool, greedy: bool) -> None:
         """One decode step for slots [0, batch): every tensor it touches is preallocated (graph-capturable)."""
@@ -197,7 +233,7 @@ class DecodeStep:
         for i, w in enumerate(d.layers):
             q, k, v = u["pre"](x, w, cos, sin)
             d.write(i, k, v, rows, pos)
-            x = u["post"](x, q, d.keys[i], d.values[i], pos, n_kv, w)
+            x = u["post"](x, u["attend"](q, d.keys[i], d.values[i], pos, n_kv), w)
         return x
 
 
