@@ -37,16 +37,24 @@ MAX_WIDTH = 4096      # entries per row one program holds in registers (RMSNorm'
 BLOCK_ELEMENTS = 8192  # rows per program x P
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel() -> Any:
-    """The compiled kernel, or None where Triton is not there (CPU builds of torch)."""
-    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+def _builder(build: Any) -> Any:
+    """A kernel builder, run once: `build(triton, triton.language)` -> the compiled kernel(s), or None where
+    Triton is not there (CPU builds of torch) or TURNRL_EXACT_TRITON=0. `.cache_clear()` rebuilds (tests)."""
+    @functools.lru_cache(maxsize=1)
+    def built() -> Any:
+        if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
+            return None
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            return None
+        return build(triton, tl)
+    return built
+
+
+@_builder
+def _kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
     def tree_sum_rows(x_ptr, out_ptr, rows, n, BLOCK_ROWS: tl.constexpr, P: tl.constexpr, LEVELS: tl.constexpr):
@@ -115,15 +123,8 @@ def tree_sum_last(x: torch.Tensor) -> torch.Tensor:
 ATTN_WARPS = 4
 
 
-@functools.lru_cache(maxsize=1)
-def _attention_kernel() -> Any:
-    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@_builder
+def _attention_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
     def exact_attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, M, L, KV, scale,
@@ -198,15 +199,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Ten
 # -- RMSNorm ------------------------------------------------------------------------------------------------
 # One program per row, the whole row in one block: the mean square's reduction order is fixed by the block
 # width alone (the same compiled kernel for every row of every call), so it is batch-invariant too.
-@functools.lru_cache(maxsize=1)
-def _rms_kernel() -> Any:
-    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@_builder
+def _rms_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
     def exact_rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
@@ -291,15 +285,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_GROUP_M, MM_WARPS, MM_STAGES = 64, 128, 64, 8, 4, 3
 
 
-@functools.lru_cache(maxsize=1)
-def _matmul_kernel() -> Any:
-    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@_builder
+def _matmul_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
     def exact_matmul(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr,
@@ -360,15 +347,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 ELEMENTWISE_BLOCK = 1024
 
 
-@functools.lru_cache(maxsize=1)
-def _elementwise_kernels() -> Any:
-    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@_builder
+def _elementwise_kernels(triton: Any, tl: Any) -> Any:
 
     @triton.jit
     def exact_silu_mul(g_ptr, u_ptr, out_ptr, width, sg, su, BLOCK: tl.constexpr):
@@ -451,15 +431,8 @@ VOCAB_TOP_WIDTH = 4096   # W: width of the first level the kernel writes
 VOCAB_BLOCK = 64         # columns of level b per program
 
 
-@functools.lru_cache(maxsize=1)
-def _vocab_kernel() -> Any:
-    if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+@_builder
+def _vocab_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
     def exact_vocab_tree(logits_ptr, temp_ptr, top_ptr, leaves_ptr, level_ptr, V, W, s_l,
