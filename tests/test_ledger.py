@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -203,7 +204,13 @@ def test_json_round_trip_is_lossless(traj, metrics):
         traj.turns[0].tool_results = [ToolResult("calc", "3", "call_0", reward=1.0, metrics={"ms": 2},
                                                  blame=None, truncated=True, seconds=0.5)]
         traj.turns[0].user_reply = "ok"
+        traj.turns[0].versions = [(0, 6), (3, 7)]
     traj.errors.append(ErrorRecord("tool_parse", "bad call", 0, "policy"))
+    plain = traj.to_dict()
+    assert plain == dataclasses.asdict(traj)       # the fast copy is asdict's result ...
+    plain["segments"][0]["token_ids"].append(-1)   # ... and shares no container with the trajectory
+    plain["info"]["index"] = -1
+    assert traj.to_dict() == dataclasses.asdict(traj) != plain
     text = json.dumps(traj.to_dict())
     back = Trajectory.from_dict(json.loads(text))
     assert back == traj

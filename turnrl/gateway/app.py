@@ -91,11 +91,12 @@ def build_app(gateway: Gateway, on_close: Callable[[Any], None] | None = None) -
                 "forks": s.forks, "aborted": s.aborted}
 
     @app.post("/sessions/{sid}/close")
-    async def close_session(sid: str) -> dict[str, Any]:
+    async def close_session(sid: str) -> JSONResponse:
         traj = gateway.close_session(sid)
         if on_close is not None:
             on_close(traj)
-        return traj.to_dict()
+        # a response, not a dict: FastAPI would walk every token of the trajectory again to encode it
+        return JSONResponse(traj.to_dict())
 
     @app.post("/v1/chat/completions")
     @app.post("/sessions/{sid}/v1/chat/completions")
