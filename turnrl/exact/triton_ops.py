@@ -173,7 +173,8 @@ def _attention_kernel(triton: Any, tl: Any) -> Any:
 def attention_usable(q: torch.Tensor) -> bool:
     """`attention` takes `q`: bf16/fp16 on CUDA, head dim <= 256, Triton there (tests run the kernel on CPU
     tensors under Triton's interpreter by calling `attention` directly)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and _attention_kernel() is not None
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+            and _attention_kernel() is not None)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float,
