@@ -73,8 +73,9 @@ async def update_midway(engine, prompt, new, progressed):
     return await task
 
 
-def check_split(out, prompt, models, atol):
-    """Tokens before the interruption: the old weights'; after it: the new weights', given the whole prefix."""
+def check_split(out, prompt, models, atol, mean_atol=None):
+    """Tokens before the interruption: the old weights'; after it: the new weights', given the whole prefix
+    (each side's largest difference under `atol`, and its mean under `mean_atol` where given)."""
     old, new = models
     c = out.completion
     assert c.finish_reason == "length" and len(c.token_ids) == TOKENS
@@ -85,6 +86,8 @@ def check_split(out, prompt, models, atol):
     by_old, by_new = recompute(old, prompt, c.token_ids), recompute(new, prompt, c.token_ids)
     head, tail = (got[:k] - by_old[:k]).abs(), (got[k:] - by_new[k:]).abs()
     assert head.max() < atol and tail.max() < atol, (head.max(), tail.max())
+    if mean_atol is not None:
+        assert head.mean() < mean_atol and tail.mean() < mean_atol, (head.mean(), tail.mean())
     return k, (got[k:] - by_old[k:]).abs().max()
 
 
@@ -169,5 +172,7 @@ def test_vllm_interrupts_by_abort_and_resumes(smollm2_dir, models, prompt):
                                         lambda: any(len(r.ids) >= 8 for r in list(engine._live.values()))))
     finally:
         asyncio.run(engine.close())
-    k, off_old = check_split(out, prompt, models, atol=0.3)   # bf16 vs float32: ~0.1-0.15 at most, measured
+    # bf16 against float32: ~0.04 on average, ~0.1-0.15 at most as measured, but a CI run saw 0.33 on one token
+    # of the perturbed policy (where the interruption falls, and so the tokens, varies between runs)
+    k, off_old = check_split(out, prompt, models, atol=0.6, mean_atol=0.1)
     assert off_old > 1.0 and engine.stats["interrupted"] == 1
