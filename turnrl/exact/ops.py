@@ -30,7 +30,7 @@ def tree_levels(x: torch.Tensor) -> list[torch.Tensor]:
     j - 1. Elementwise adds only, so the order depends on nothing but the axis length, and trailing zeros
     leave every sum's bits unchanged (the tree over 2n values is the tree over the first n plus zeros)."""
     n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
+    width = triton_ops.pow2(n)
     if width != n:
         x = F.pad(x, (0, width - n))
     levels = [x]

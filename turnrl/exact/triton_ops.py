@@ -37,6 +37,11 @@ MAX_WIDTH = 4096      # entries per row one program holds in registers (RMSNorm'
 BLOCK_ELEMENTS = 8192  # rows per program x P
 
 
+def pow2(n: int, floor: int = 1) -> int:
+    """The least power of two >= n and >= floor (block widths, tree widths)."""
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
 def _builder(build: Any) -> Any:
     """A kernel builder, run once: `build(triton, triton.language)` -> the compiled kernel(s), or None where
     Triton is not there (CPU builds of torch) or TURNRL_EXACT_TRITON=0. `.cache_clear()` rebuilds (tests)."""
@@ -78,7 +83,7 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def _grid(rows: int, n: int) -> tuple[tuple[int], int, int]:
-    width = 1 << max(n - 1, 0).bit_length()
+    width = pow2(n)
     block_rows = max(1, min(128, BLOCK_ELEMENTS // width))
     return ((rows + block_rows - 1) // block_rows,), block_rows, width
 
@@ -192,7 +197,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Ten
                                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                   v.stride(0), v.stride(1), v.stride(2), qpos.stride(0),
                                   out.stride(0), out.stride(1), out.stride(2),
-                                  D=d, BLOCK_D=max(16, 1 << max(d - 1, 0).bit_length()), BLOCK_M=query_tile,
+                                  D=d, BLOCK_D=pow2(d, 16), BLOCK_M=query_tile,
                                   BLOCK_N=key_block, WIDEN=not q.is_cuda, num_warps=ATTN_WARPS)
     return out
 
@@ -229,7 +234,7 @@ def _rms_launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     out = torch.empty_like(flat)
     if flat.shape[0]:
         _rms_kernel()[(flat.shape[0],)](flat, weight.contiguous(), out, n, float(eps),
-                                        BLOCK=1 << max(n - 1, 0).bit_length(), num_warps=4)
+                                        BLOCK=pow2(n), num_warps=4)
     return out.reshape(x.shape)
 
 
@@ -416,8 +421,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
     if n:
         _elementwise_kernels()[1][(n,)](tokens, c, s, out, heads, tokens.stride(0), tokens.stride(1), c.stride(0),
-                                        HALF=d // 2, BLOCK_H=max(1, 1 << max(heads - 1, 0).bit_length()),
-                                        BLOCK_D=max(16, 1 << max(d // 2 - 1, 0).bit_length()), num_warps=4)
+                                        HALF=d // 2, BLOCK_H=pow2(heads),
+                                        BLOCK_D=pow2(d // 2, 16), num_warps=4)
     return out.reshape(x.shape)
 
 
@@ -460,7 +465,7 @@ def _vocab_kernel(triton: Any, tl: Any) -> Any:
 
 def vocab_split(vocab: int) -> tuple[int, int]:
     """(W, b): the width of the level the kernel writes and how many levels lie below it."""
-    width = 1 << max(vocab - 1, 0).bit_length()
+    width = pow2(vocab)
     top = min(width, VOCAB_TOP_WIDTH)
     return top, (width // top).bit_length() - 1
 

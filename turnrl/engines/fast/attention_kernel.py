@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from turnrl.exact.triton_ops import pow2
+
 BLOCK_N = 64        # keys per inner step
 SPLIT_KEYS = 512    # about this many of a bucket's positions per split ...
 MAX_SPLITS = 16     # ... and at most this many splits
@@ -112,8 +114,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     splits = splits_for(n_kv, split_keys)
     per_split = -(-n_kv // splits)
     per_split = -(-per_split // block_n) * block_n
-    block_m = max(16, 1 << max(group - 1, 0).bit_length())
-    block_d = max(16, 1 << max(dim - 1, 0).bit_length())
+    block_m = pow2(group, 16)
+    block_d = pow2(dim, 16)
     parts = batch * kv * splits * block_m
     m = torch.empty(parts, dtype=torch.float32, device=q.device)
     total = torch.empty(parts, dtype=torch.float32, device=q.device)
