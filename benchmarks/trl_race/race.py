@@ -7,6 +7,11 @@ For each engine class (plain transformers generation: `hf`; vLLM colocated in th
 and prints step time, trajectories/s, where the time goes, and the reward at each step side by side.
 TRL's second generation path on transformers (`use_transformers_continuous_batching`) runs as `trl-hf-cb`.
 Writes results/race-<date>.json. Run it with `bash benchmarks/trl_race/run.sh` (which makes the venv).
+
+`--workload` picks the work (`WORKLOADS`: the main job's calculator, or `wide`, which the project did not tune
+for: three-step expressions up to 60, 4 samples of twice as many prompts, 4 assistant turns of 96 tokens at
+temperature 1, another data seed). `--fp32` runs both sides in float32 (engine and training; TRL without bf16
+autocast), as the independent race did.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CONFIG = "examples/calculator/train.yaml"
+# overrides of CONFIG (both sides get them) and the prompts per step that make 16 trajectories a step
+WORKLOADS: dict[str, tuple[list[str], int]] = {
+    "calculator": ([], 2),
+    "wide": (["data.train.seed=7", "data.train.options.steps=3", "data.train.options.max_value=60", "rollout.n=4",
+              "rollout.max_assistant_turns=4", "rollout.max_response_tokens=300",
+              "rollout.sampling.max_tokens_per_turn=96", "rollout.sampling.temperature=1.0"], 4)}
+FP32 = ["engine.dtype=float32", "trainer.dtype=float32"]
 
 
 def run(cmd: list[str], log: Path) -> tuple[int, float]:
@@ -118,8 +130,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm")
-    p.add_argument("--prompts", type=int, default=2,
-                   help="prompts per step, both sides (x rollout.n=8 samples; the main job uses 4)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per step, both sides (default: the workload's, 16 trajectories a step)")
+    p.add_argument("--workload", default="calculator", choices=sorted(WORKLOADS))
+    p.add_argument("--fp32", action="store_true", help="float32 on both sides (default: each side's CPU default, "
+                   "bf16 where the CPU has it)")
     p.add_argument("--skip-trl-cb", action="store_true",
                    help="leave out TRL with use_transformers_continuous_batching (its other hf generation path)")
     p.add_argument("--out", default=None, help="results JSON (default: results/race-<date>.json)")
@@ -128,7 +143,8 @@ def main() -> int:
     out_json = Path(a.out) if a.out else HERE / "results" / f"race-{stamp}.json"
     work = HERE / "runs" / stamp
     work.mkdir(parents=True, exist_ok=True)
-    overrides = [f"data.prompts_per_step={a.prompts}"]
+    workload, prompts = WORKLOADS[a.workload]
+    overrides = [*workload, f"data.prompts_per_step={a.prompts or prompts}", *(FP32 if a.fp32 else [])]
     arms = []
     for engine in a.engines.split(","):
         arms.append(turnrl_arm(engine, a.steps, work, overrides))
@@ -159,7 +175,8 @@ def main() -> int:
             arm["summary"]["same_tasks_as_turnrl"] = all(
                 set(r.get("uids") or []) == set(q.get("uids") or []) for r, q in zip(arm["runs"], ref["runs"]))
     from turnrl.bench.common import machine_info
-    result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "overrides": overrides,
+    result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "workload": a.workload, "fp32": a.fp32,
+              "overrides": overrides,
               "speedup_turnrl_over_trl": speedups,
               "arms": [{k: v for k, v in arm.items() if k != "report"} for arm in arms],
               "details": {f"{arm['framework']}-{arm['engine']}{'-cb' if arm.get('continuous_batching') else ''}":

@@ -254,6 +254,8 @@ def main() -> int:
     micro = min(8, group * prompts)   # rows per forward/backward: about turnrl's 4096-token budget here
     limit = "max_tokens" if a.engine == "vllm" else "max_new_tokens"   # vLLM's SamplingParams / GenerationConfig
     per_turn = {limit: s.max_tokens_per_turn}
+    # race.py --fp32 sets both of turnrl's dtypes; TRL then trains float32 weights without bf16 autocast
+    fp32 = cfg.engine.dtype == "float32" and cfg.trainer.dtype == "float32"
     trl_args = dict(
         output_dir=str(Path(a.json).with_suffix("")) + "-out", max_steps=a.steps, seed=cfg.seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=group * prompts // micro,
@@ -264,9 +266,10 @@ def main() -> int:
         adam_beta1=o.betas[0], adam_beta2=o.betas[1], max_grad_norm=o.grad_clip,
         beta=cfg.algo.kl_coef, epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high, loss_type="dapo",
         scale_rewards="group", num_iterations=1, reward_weights=list(cfg.reward.weights),
-        gradient_checkpointing=cfg.model.gradient_checkpointing, bf16=True, use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=cfg.model.gradient_checkpointing, bf16=not fp32, use_cpu=not torch.cuda.is_available(),
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        use_transformers_continuous_batching=a.continuous_batching)
+        use_transformers_continuous_batching=a.continuous_batching,
+        model_init_kwargs={"dtype": "float32"} if fp32 else None)
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cfg.engine.cpu_kv_cache_gb)))
         trl_args.update(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=cfg.engine.max_model_len,
