@@ -41,3 +41,28 @@ def test_bench_gateway_writes_the_report(tmp_path):
     # greedy, float32, the same tasks: the agent through the gateway sampled exactly what the native loop did
     assert t["same_policy_tokens"] and t["native"]["policy_tokens"] > 0
     assert t["gateway"]["parity"] == {"exact": t["tasks"]["timed"]}
+
+
+
+def test_repeats_keep_each_repeat_and_rows_are_reported_as_they_finish(smol_template):
+    import asyncio
+
+    from turnrl.bench.gateway import bench_overhead
+
+    seen = []
+    report = asyncio.run(bench_overhead(smol_template, [1, 2], 2, [0.0, 20.0], ["aiohttp"], repeats=2,
+                                        on_row=lambda part: seen.append(len(part["rows"]))))
+    assert seen == [1, 2, 3, 4] and report["repeats"] == 2
+    for r in report["rows"]:
+        assert r["calls"] == r["sessions"] * 2 * 2
+        c = r["clients"]["aiohttp"]
+        assert len(c["repeats"]) == 2
+        for each in c["repeats"]:
+            assert 0 < each["overhead"]["p50_ms"] <= each["overhead"]["p99_ms"]
+            assert 0 < each["floor"]["p50_ms"] <= each["floor"]["p99_ms"]
+        # the pooled figures lie within the repeats' own
+        p50s = [each["overhead"]["p50_ms"] for each in c["repeats"]]
+        assert min(p50s) <= c["overhead"]["p50_ms"] <= max(p50s)
+        if r["engine_ms"]:
+            # the floor reports the wait it measured, as the gateway does: never less than the 0.5x it drew
+            assert c["floor"]["round_trip"]["p50_ms"] - c["floor"]["overhead"]["p50_ms"] >= 20 * 0.5

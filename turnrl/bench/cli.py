@@ -87,6 +87,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--engine-ms", default="0", help="the stand-in engine's latency per call in the overhead part, "
                    "milliseconds (comma-separated: a row set each; 0 answers at once)")
     q.add_argument("--clients", default="httpx,aiohttp", help="clients in another process for the overhead part")
+    q.add_argument("--repeats", type=int, default=1, help="measure each client (and its floor) this many times in "
+                   "a row; the report keeps each repeat's p50/p99")
     q.add_argument("--prompts", type=int, default=8, help="calculator tasks for the throughput part (0: skip it)")
     q.add_argument("--n", type=int, default=2, help="samples per task")
     q.add_argument("--json", required=True, help="where to write the report")
@@ -210,11 +212,16 @@ def _gateway(a: argparse.Namespace) -> int:
     model_dir = resolve(cfg.model.name)
     template = load_template(model_dir)
     sessions = [int(s) for s in a.sessions.split(",") if s]
+    if a.repeats < 1 or a.turns < 1 or not sessions or min(sessions) < 1:
+        raise SystemExit("error: --repeats, --turns and each of --sessions must be >= 1")
 
     async def run() -> dict[str, Any]:
         latencies = [float(x) for x in a.engine_ms.split(",") if x]
-        report: dict[str, Any] = {"overhead": await bench_overhead(template, sessions, a.turns, latencies,
-                                                                   [c for c in a.clients.split(",") if c])}
+        report: dict[str, Any] = {"engine": cfg.engine.kind}
+        # the JSON is rewritten after each row: a run stopped by a time limit keeps what it measured
+        report["overhead"] = await bench_overhead(template, sessions, a.turns, latencies,
+                                                  [c for c in a.clients.split(",") if c], a.repeats,
+                                                  on_row=lambda part: _write(a.json, {**report, "overhead": part}))
         if a.prompts > 0:
             tasks = load_dataset(task="calculator", size=a.prompts, seed=cfg.seed, options={"demo": True})
             engine = build_engine(cfg.engine, model_dir)
@@ -227,7 +234,6 @@ def _gateway(a: argparse.Namespace) -> int:
                                                                         cfg.engine.max_model_len))
             finally:
                 await engine.close()
-        report["engine"] = cfg.engine.kind
         return report
 
     report = asyncio.run(run())

@@ -14,8 +14,12 @@ Reported as p50/p99 over all calls, for:
   makes them; httpx is the `openai` SDK's default transport, aiohttp the one it offers for many concurrent
   requests. "server" is the gateway's own time (request body to response body) from its header;
 - "floor": that client against the same HTTP stack (FastAPI on uvicorn) answering the same routes with a
-  fixed body after the same engine wait: what any OpenAI-compatible server costs that client (an engine's own
-  server, called directly, costs at least this); "above floor" is what the gateway adds to it.
+  fixed body after the same engine wait, timed as the gateway times its engine call (the clock around the
+  await, so the event loop's late wake-up counts as engine time on both): what any OpenAI-compatible server
+  costs that client (an engine's own server, called directly, costs at least this); "above floor" is what the
+  gateway adds to it.
+With `repeats` > 1 each row is measured that many times in a row: the row keeps every repeat's p50/p99
+(`repeats`), and its figures are those of all the repeats' calls together.
 
 Throughput: the same calculator tasks (one worked example each, greedy so both runs sample the same tokens;
 those on which a tool call fails are left out, see `bench_agent_throughput`) through the native agent loop
@@ -142,9 +146,10 @@ def floor_app(chat_body: dict[str, Any], engine: InstantEngine) -> Any:
 
     async def chat(request: Request, sid: str) -> Any:
         await request.json()
-        wait = engine.delay()
-        await asyncio.sleep(wait)
-        return JSONResponse(chat_body, headers={"server-timing": f"engine;dur={wait * 1000:.3f}"})
+        start = time.perf_counter()
+        await asyncio.sleep(engine.delay())
+        waited = time.perf_counter() - start   # as `Gateway.chat` times its engine: a late wake-up is the engine's
+        return JSONResponse(chat_body, headers={"server-timing": f"engine;dur={waited * 1000:.3f}"})
     chat.__annotations__["request"] = Request   # a class, not the string this module's annotations are
     app.post("/sessions/{sid}/v1/chat/completions")(chat)
 
@@ -154,11 +159,21 @@ def floor_app(chat_body: dict[str, Any], engine: InstantEngine) -> Any:
     return app
 
 
+def _pooled(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one client measurement as one: all their calls, their seconds added."""
+    return {"latencies_s": [x for p in parts for x in p["latencies_s"]], "seconds": sum(p["seconds"] for p in parts),
+            "gateway_ms": [x for p in parts for x in p["gateway_ms"]],
+            "engine_ms": [x for p in parts for x in p["engine_ms"]]}
+
+
 async def bench_overhead(template: ChatTemplate, concurrency: list[int], turns: int,
-                         engine_ms: list[float] = (0.0,), clients: list[str] = ("httpx", "aiohttp")) -> dict[str, Any]:
-    """One row per (engine latency, sessions)."""
+                         engine_ms: list[float] = (0.0,), clients: list[str] = ("httpx", "aiohttp"), repeats: int = 1,
+                         on_row: Any = None) -> dict[str, Any]:
+    """One row per (engine latency, sessions); `on_row(report so far)` after each (a long run that is stopped
+    keeps the rows it finished)."""
     from turnrl.bench.gateway_client import measure
-    rows = []
+    rows: list[dict[str, Any]] = []
+    report = {"turns_per_session": turns, "repeats": repeats, "rows": rows}
     for latency in engine_ms:
         engine = InstantEngine(template, latency / 1000)
         gateway = Gateway(engine, template, get_parser("hermes"), ["bench"], Defaults(max_context=8192), "split")
@@ -170,19 +185,28 @@ async def bench_overhead(template: ChatTemplate, concurrency: list[int], turns: 
                 sid = (await http.post(f"{url}/sessions", json={})).json()["id"]
                 body = (await http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=hi)).json()
             for sessions in concurrency:
-                row: dict[str, Any] = {"sessions": sessions, "engine_ms": latency, "calls": sessions * turns,
+                row: dict[str, Any] = {"sessions": sessions, "engine_ms": latency, "calls": sessions * turns * repeats,
                                        "direct": _quantiles(await _direct(engine, template, sessions, turns)),
                                        "no_http": _quantiles(await _in_process(gateway, sessions, turns)),
                                        "same_loop": _calls(await measure(url, sessions, turns)), "clients": {}}
                 for client in clients:
-                    side = _calls(await _from_another_process(url, sessions, turns, client))
-                    async with running(floor_app(body, InstantEngine(template, latency / 1000, seed=1))) as floor:
-                        side["floor"] = _calls(await _from_another_process(floor, sessions, turns, client))
+                    sides, floors = [], []
+                    for _ in range(repeats):
+                        sides.append(await _from_another_process(url, sessions, turns, client))
+                        async with running(floor_app(body, InstantEngine(template, latency / 1000, seed=1))) as floor:
+                            floors.append(await _from_another_process(floor, sessions, turns, client))
+                    side = _calls(_pooled(sides))
+                    side["floor"] = _calls(_pooled(floors))
                     side["above_floor_p50_ms"] = side["overhead"]["p50_ms"] - side["floor"]["overhead"]["p50_ms"]
                     side["above_floor_p99_ms"] = side["overhead"]["p99_ms"] - side["floor"]["overhead"]["p99_ms"]
+                    if repeats > 1:
+                        side["repeats"] = [{"overhead": _calls(g)["overhead"], "floor": _calls(f)["overhead"]}
+                                           for g, f in zip(sides, floors)]
                     row["clients"][client] = side
                 rows.append(row)
-    return {"turns_per_session": turns, "rows": rows}
+                if on_row is not None:
+                    on_row(report)
+    return report
 
 
 async def bench_agent_throughput(engine: Any, template: ChatTemplate, loop: Any, tasks: list[Any], n: int,
@@ -248,6 +272,9 @@ def format_report(report: dict[str, Any]) -> str:
             above = f"{c['above_floor_p50_ms']:.2f}/{c['above_floor_p99_ms']:.2f}"
             lines.append(f"{head} {client:>8} {pair(c['overhead']):>15} {pair(c['floor']['overhead']):>15} "
                          f"{above:>15} {pair(c['server']) if 'server' in c else '-':>15} {c['calls_per_s']:>8.1f}")
+            if "repeats" in c:
+                each = ", ".join(f"{x['overhead']['p50_ms']:.2f} (floor {x['floor']['p50_ms']:.2f})" for x in c["repeats"])
+                lines.append(f"{'':>48} {'':>8} p50 of each repeat: {each}")
     t = report.get("throughput")
     if t:
         k = t.get("tasks", {})
