@@ -43,7 +43,6 @@ def test_bench_gateway_writes_the_report(tmp_path):
     assert t["gateway"]["parity"] == {"exact": t["tasks"]["timed"]}
 
 
-
 def test_repeats_keep_each_repeat_and_rows_are_reported_as_they_finish(smol_template):
     import asyncio
 

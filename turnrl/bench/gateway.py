@@ -191,9 +191,9 @@ async def bench_overhead(template: ChatTemplate, concurrency: list[int], turns: 
                                        "same_loop": _calls(await measure(url, sessions, turns)), "clients": {}}
                 for client in clients:
                     sides, floors = [], []
-                    for _ in range(repeats):
-                        sides.append(await _from_another_process(url, sessions, turns, client))
-                        async with running(floor_app(body, InstantEngine(template, latency / 1000, seed=1))) as floor:
+                    async with running(floor_app(body, InstantEngine(template, latency / 1000, seed=1))) as floor:
+                        for _ in range(repeats):   # alternating, so a drift of the machine reaches both alike
+                            sides.append(await _from_another_process(url, sessions, turns, client))
                             floors.append(await _from_another_process(floor, sessions, turns, client))
                     side = _calls(_pooled(sides))
                     side["floor"] = _calls(_pooled(floors))
