@@ -65,3 +65,25 @@ def test_repeats_keep_each_repeat_and_rows_are_reported_as_they_finish(smol_temp
         if r["engine_ms"]:
             # the floor reports the wait it measured, as the gateway does: never less than the 0.5x it drew
             assert c["floor"]["round_trip"]["p50_ms"] - c["floor"]["overhead"]["p50_ms"] >= 20 * 0.5
+
+
+def test_the_floor_reports_the_wait_it_measured_not_the_one_it_asked_for(smol_template):
+    """The gateway times its engine call with the clock around the await; the floor must too, or the sleep's
+    late wake-up counts as the floor's overhead (it did: the floor reported the wait it asked for)."""
+    import asyncio
+
+    import httpx
+
+    from turnrl.bench.gateway import InstantEngine, floor_app
+
+    engine = InstantEngine(smol_template)
+    engine.delay = lambda: 0.0105   # noqa: E731 - a fixed wait
+    app = floor_app({"id": "x"}, engine)
+
+    async def call() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://floor") as http:
+            r = await http.post("/sessions/s/v1/chat/completions", json={"model": "bench", "messages": []})
+            return r.headers["server-timing"]
+    header = asyncio.run(call())
+    waited_ms = float(header.partition("engine;dur=")[2])
+    assert waited_ms > 10.5   # asked 10.5 ms: a sleep never ends on time, and the floor says by how much
