@@ -1,6 +1,7 @@
 """Gateway fixtures: a scripted engine on the real SmolLM2 tokenizer, the real HF engine, a running server.
 
-`ScriptedEngine(template, texts)` answers call k with texts[k] (the last one repeats) tokenized with the
+`ScriptedEngine(template, texts)` answers its k-th finished call with texts[k] (the last one repeats; a call
+cancelled first, such as a wrong guess the gateway throws away, answers nothing) tokenized with the
 real tokenizer plus `<|im_end|>`, with made-up logprobs that identify the call, so a test can check which
 sampled tokens ended up where in the ledger. `served(gateway)` runs the real ASGI app with uvicorn on a free
 loopback port inside the test's event loop.
@@ -28,15 +29,17 @@ class ScriptedEngine(EngineBase):
         self.template, self.texts, self.delay = template, list(texts), delay
         self.prompts = []
         self.cancelled = 0
+        self.answered = 0
 
     async def generate(self, prompt_ids, sampling):
-        k = len(self.prompts)
         self.prompts.append(list(prompt_ids))
         try:
             await asyncio.sleep(self.delay)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+        k = self.answered
+        self.answered += 1
         ids = self.template.encode(self.texts[min(k, len(self.texts) - 1)]) + [self.template.stop_token_ids[0]]
         finish = "stop"
         if len(ids) > sampling.max_tokens:

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnrl.chat.predict import Guesses
 from turnrl.chat.session import ChatMismatchError, ChatSession
 from turnrl.chat.templates import ChatTemplate
 from turnrl.gateway.replies import Reply
@@ -84,6 +85,7 @@ class Branch:
     history: list[Message | Reply] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     busy: bool = False
+    tools_key: str | None = None     # `predict.Guesses.tools_key` of the prepared tools, once asked
 
     def common_prefix(self, messages: list[Message]) -> int:
         n = 0
@@ -171,6 +173,35 @@ class Session:
         else:
             reason = f"message {common} ({what.role}) stands where the gateway's reply was: the reply was dropped"
         return self._break(messages, tools, reason)
+
+    def guess(self, messages: list[Message], tools: list[dict[str, Any]], guesses: Guesses
+              ) -> tuple[list[int], tuple[str, list[dict[str, Any]]]] | None:
+        """The prompt `begin` would give this request, guessed cheaply for the common case (the last call's
+        branch, its reply echoed, new tool/user messages after it; their text from `guesses`, no full render),
+        and what to `forget` if it proves wrong; None: no guess. Only a guess: `begin` decides, and the
+        gateway compares (see `Gateway.chat`)."""
+        branch = self.last
+        if branch is None or branch.busy or self.closed or branch.tools != tools:
+            return None
+        h = len(branch.history)
+        last = branch.history[-1] if branch.history else None
+        if len(messages) <= h or not isinstance(last, Reply) or not last.matches(messages[h - 1]):
+            return None
+        new = messages[h:]
+        if any(m.role == "assistant" for m in new):
+            return None
+        sent = {c[0]: c[1] for c in messages[h - 1].tool_calls}
+        converted = [self._template_message(m, m.name or sent.get(m.tool_call_id) or branch.tool_name(m.tool_call_id))
+                     for m in new]
+        chat = branch.chat
+        if not chat.traj.messages or chat.traj.messages[-1].get("role") != "assistant":
+            return None
+        if branch.tools_key is None:
+            branch.tools_key = Guesses.tools_key(chat.render_tools)
+        delta = guesses.delta(branch.tools_key, chat.render_tools, converted)
+        if delta is None:
+            return None
+        return chat.context_ids + self.template.encode(chat._glue() + delta), (branch.tools_key, converted)
 
     def commit(self, call: Call, reply: Reply) -> None:
         branch, cp = call.branch, call.checkpoint

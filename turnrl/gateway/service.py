@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from turnrl.chat.parsers import CannotForce, ToolCallParser
+from turnrl.chat.predict import Guesses
 from turnrl.chat.templates import ChatTemplate
 from turnrl.engines.base import Completion, Delta, Engine, EngineError, Sampling
 from turnrl.engines import resume
@@ -85,7 +86,9 @@ class Gateway:
         self.on_mismatch = on_mismatch
         self.pin_sampling = pin_sampling
         self.sessions: dict[str, Session] = {}
-        self.stats = {"calls": 0, "errors": 0, "aborted": 0, "sampling_overridden": 0}
+        self.stats = {"calls": 0, "errors": 0, "aborted": 0, "sampling_overridden": 0, "guesses_used": 0,
+                      "guesses_wrong": 0}
+        self.guesses = Guesses(template)
 
     # -- sessions ------------------------------------------------------------------------------------
     def open_session(self, group_id: str = "", sample_index: int = 0, info: dict[str, Any] | None = None) -> Session:
@@ -113,14 +116,57 @@ class Gateway:
 
     # -- chat ----------------------------------------------------------------------------------------
     async def chat(self, req: ChatRequest, session: Session | None = None) -> Answer:
-        call = self._begin_chat(req, session)
+        """With a guess (`_guess`), the engine starts on the guessed prompt first and the request is placed in
+        its session while it samples; the sample is used only if the placed call's prompt and sampling equal
+        the guess, token for token, else it is cancelled and the call samples again from its own prompt. The
+        engine's time runs from submitting to its last completion, so checking longer than the engine took
+        counts as the gateway's time."""
+        guess = self._guess(req, session)
         start = time.perf_counter()
+        tasks = self._submit(*guess[:2], 1) if guess is not None else None
+        if tasks is not None:
+            await asyncio.sleep(0)   # the engine takes the request before the check below runs
         try:
-            completions = await self._generate_all(call.prompt, call.sampling, req.sampling.n)
+            call = self._begin_chat(req, session)
+        except BaseException:
+            _cancel(tasks or [])
+            raise
+        try:
+            if guess is not None and (call.prompt != guess[0] or call.sampling != guess[1]):
+                _cancel(tasks)
+                self.guesses.forget(*guess[2])
+                self.stats["guesses_wrong"] += 1
+                tasks = None
+            elif guess is not None:
+                self.stats["guesses_used"] += 1
+            if tasks is None:
+                start = time.perf_counter()
+                tasks = self._submit(call.prompt, call.sampling, req.sampling.n)
+            completions, finished = await self._collect(tasks)
         except BaseException:
             self._undo(call)
             raise
-        return self._end_chat(req, call, completions, time.perf_counter() - start)
+        return self._end_chat(req, call, completions, finished - start)
+
+    def _guess(self, req: ChatRequest, session: Session | None) -> tuple[list[int], Sampling, Any] | None:
+        """The prompt and sampling `_begin_chat` would give a one-choice request in a session, from
+        `Session.guess`; None where there is none (or the guess cannot even be sampled)."""
+        if session is None or session.closed or req.sampling.n != 1 or req.sampling.stream:
+            return None
+        self.check_model(req.model)
+        guessed = session.guess(req.messages, req.tools, self.guesses)
+        if guessed is None:
+            return None
+        prompt, forget = guessed
+        try:
+            prompt = prompt + self.forced_ids(req)
+            sampling = self._sampling(req.sampling, len(prompt))
+        except APIError:
+            return None   # `_begin_chat` says why
+        if sampling.seed is None:
+            sampling = sampling.with_(seed=request_seed(self.defaults.seed, session.group_id, session.sample_index,
+                                                        session.turn + len(session.branches)))
+        return prompt, sampling, forget
 
     async def chat_stream(self, req: ChatRequest, session: Session | None = None) -> AsyncIterator[str | Answer]:
         """One choice: its content as it is sampled (str deltas, `streaming.ContentStream`), then the Answer.
@@ -263,23 +309,39 @@ class Gateway:
                         stop_token_ids=tuple(self.template.stop_token_ids), seed=s.seed)
 
     async def _generate_all(self, prompt: list[int], sampling: Sampling, n: int) -> list[Completion]:
+        return (await self._collect(self._submit(prompt, sampling, n)))[0]
+
+    def _submit(self, prompt: list[int], sampling: Sampling, n: int) -> list[asyncio.Future]:
+        """One engine request per choice, each saying when it finished (`_collect`)."""
         seeds = [sampling.seed if sampling.seed is None else sampling.seed + i for i in range(n)]
-        tasks = [asyncio.ensure_future(resume.generate(self.engine, prompt, sampling.with_(seed=seed)))
-                 for seed in seeds]
+        return [asyncio.ensure_future(self._timed(prompt, sampling.with_(seed=seed))) for seed in seeds]
+
+    async def _timed(self, prompt: list[int], sampling: Sampling) -> tuple[Completion, float]:
+        return (await resume.generate(self.engine, prompt, sampling)).completion, time.perf_counter()
+
+    async def _collect(self, tasks: list[asyncio.Future]) -> tuple[list[Completion], float]:
+        """The completions, and when the last of them finished (perf_counter)."""
         try:
-            out = [sampled.completion for sampled in await asyncio.gather(*tasks)]
+            done = await asyncio.gather(*tasks)
         except EngineError as exc:
             self.stats["errors"] += 1
             raise APIError(500, f"The engine failed: {exc}", kind="server_error", code="engine_error") from None
         finally:
-            for task in tasks:   # cancelled from outside (client gone): abort every choice's engine request
-                if not task.done():
-                    task.cancel()
+            _cancel(tasks)   # cancelled from outside (client gone): abort every choice's engine request
+        out = [completion for completion, _ in done]
         self._check_completions(out)
-        return out
+        return out, max(at for _, at in done)
 
     @staticmethod
     def _check_completions(completions: list[Completion]) -> None:
         if any(c.finish_reason == "abort" for c in completions):
             raise APIError(500, "The engine aborted the request.", kind="server_error", code="engine_error")
 
+
+
+def _cancel(tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()   # a thrown-away guess's engine error is nobody's: read, so it is not reported
