@@ -4,8 +4,9 @@ Overhead: S concurrent sessions each make T chat calls in a row (each call sends
 new message, as an agent does) over HTTP (keep-alive) to the gateway, whose stand-in engine answers with a
 fixed 16-token completion at once or after about `--engine-ms` (as a batched engine answers many sessions after
 a while; at once, S sessions only queue on one event loop, and at large S a round trip measures the CPU per
-call times S). Per call, overhead = round trip - the engine's time for that call, which the gateway reports in
-its `Server-Timing` header: what the call costs beyond a direct engine call (`direct` is one, for reference).
+call times S). Per call, overhead = round trip - the engine's time for that call (from submitting it to the
+engine's completion, so what the gateway does while the engine samples is hidden only while the engine is still
+sampling), which the gateway reports in its `Server-Timing` header: what the call costs beyond a direct engine call (`direct` is one, for reference).
 Reported as p50/p99 over all calls, for:
 - "no-HTTP": the same calls straight into `Gateway.chat` (capture, deltas, replies);
 - "same loop": an httpx client on the server's own event loop, as the trainer's entry-point agents run: its

@@ -6,6 +6,14 @@ that fails (engine error, prompt over the context, the client going away: its `g
 aborts the engine request) is undone, so no request, however bad, changes a trajectory. Without a session
 the messages are rendered and served, and nothing is recorded.
 
+Guessed prompts: placing a call (matching it to a branch, rendering the whole conversation to check that the
+template only appended, tokenizing the new part) is most of the gateway's own time, and the engine needs only its
+result. So for the common call (the last reply echoed, new tool or user messages after it) the prompt is guessed
+first (`Session.guess`: the ledger plus the new messages' text from `chat.predict`, no full render), the engine
+starts on it, and the call is placed the usual way while the engine samples. The sample is used only when the
+placed call's prompt and sampling equal the guess token for token; otherwise it is cancelled (its engine request
+aborted), the call samples from its own prompt, and that shape is not guessed again. `stats` counts both.
+
 Sampling: the request's temperature, top_p, max_tokens, seed and stop apply, the defaults coming from the
 config (`Defaults`). With `pin_sampling` (sessions the trainer runs), temperature and top_p stay the
 config's whatever the agent asks, since the trainer recomputes logprobs at the config's temperature; a
