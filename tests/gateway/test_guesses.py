@@ -78,3 +78,23 @@ def test_a_wrong_guess_is_cancelled_and_the_call_samples_from_its_own_prompt(smo
         assert seg.token_ids[:len(prompt)] == prompt
     assert template.decode(engine.prompts[2]).endswith("<|im_start|>user\nmore 0<|im_end|>\n<|im_start|>assistant\n")
     assert traj.parity == "exact"
+
+
+def test_a_call_cancelled_while_its_guess_starts_cancels_the_guess_too(smol_template):
+    engine = ScriptedEngine(smol_template, ["one", "two"], 0.5)
+    gateway = Gateway(engine, smol_template, get_parser("hermes"), ["smol"], Defaults(), "split")
+
+    async def run():
+        session = gateway.open_session()
+        messages = [{"role": "user", "content": "hi"}]
+        first = await gateway.chat(parse_chat({"model": "smol", "messages": messages}), session)
+        messages += [first.replies[0].message(), {"role": "user", "content": "more"}]
+        task = asyncio.ensure_future(gateway.chat(parse_chat({"model": "smol", "messages": messages}), session))
+        await asyncio.sleep(0)   # the call has submitted its guess and yields once for the engine to take it
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert len(engine.prompts) == 2 and engine.cancelled == 1   # the guessed request was aborted at once
+        return session
+    session = asyncio.run(run())
+    assert session.calls == 1 and gateway.close_session(session.id).metrics["gateway/calls"] == 1

@@ -17,6 +17,7 @@ from typing import Any
 
 from turnrl.chat.templates import ChatTemplate
 
+MAX_SHAPES = 4096
 ANCHOR = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
 
 
@@ -97,6 +98,8 @@ class Guesses:
             return None
         key = (tools_key, s)
         if key not in self.known:
+            if len(self.known) >= MAX_SHAPES:   # many tool sets or shapes: start over rather than grow
+                self.known.clear()
             self.known[key] = _skeleton(self.template, tools, messages)
         skeleton = self.known[key]
         return None if skeleton is None else skeleton.fill(values(messages))

@@ -132,9 +132,9 @@ class Gateway:
         guess = self._guess(req, session)
         start = time.perf_counter()
         tasks = self._submit(*guess[:2], 1) if guess is not None else None
-        if tasks is not None:
-            await asyncio.sleep(0)   # the engine takes the request before the check below runs
         try:
+            if tasks is not None:
+                await asyncio.sleep(0)   # the engine takes the request before the check below runs
             call = self._begin_chat(req, session)
         except BaseException:
             _cancel(tasks or [])
@@ -344,7 +344,6 @@ class Gateway:
     def _check_completions(completions: list[Completion]) -> None:
         if any(c.finish_reason == "abort" for c in completions):
             raise APIError(500, "The engine aborted the request.", kind="server_error", code="engine_error")
-
 
 
 def _cancel(tasks: list[asyncio.Future]) -> None:
