@@ -171,10 +171,7 @@ class Gateway:
             sampling = self._sampling(req.sampling, len(prompt))
         except APIError:
             return None   # `_begin_chat` says why
-        if sampling.seed is None:
-            sampling = sampling.with_(seed=request_seed(self.defaults.seed, session.group_id, session.sample_index,
-                                                        session.turn + len(session.branches)))
-        return prompt, sampling, forget
+        return prompt, self._seeded(sampling, session), forget
 
     async def chat_stream(self, req: ChatRequest, session: Session | None = None) -> AsyncIterator[str | Answer]:
         """One choice: its content as it is sampled (str deltas, `streaming.ContentStream`), then the Answer.
@@ -226,9 +223,7 @@ class Gateway:
                 session.force(c, forced)
             out.prompt = first.prompt_ids
             sampling = self._sampling(req.sampling, len(out.prompt))
-            if sampling.seed is None:   # reproducible runs: the seed follows the row, the sample and the call
-                sampling = sampling.with_(seed=request_seed(self.defaults.seed, session.group_id,
-                                                            session.sample_index, session.turn + len(session.branches)))
+            sampling = self._seeded(sampling, session)
         except BaseException:
             self._undo(out)
             raise
@@ -315,6 +310,13 @@ class Gateway:
             max_tokens = min(max_tokens, d.max_tokens_cap)
         return Sampling(max_tokens=min(max_tokens, room), temperature=temperature, top_p=top_p, top_k=d.top_k,
                         stop_token_ids=tuple(self.template.stop_token_ids), seed=s.seed)
+
+    def _seeded(self, sampling: Sampling, session: Session) -> Sampling:
+        """Reproducible runs: without a request seed, the seed follows the row, the sample and the call."""
+        if sampling.seed is not None:
+            return sampling
+        return sampling.with_(seed=request_seed(self.defaults.seed, session.group_id, session.sample_index,
+                                                session.turn + len(session.branches)))
 
     async def _generate_all(self, prompt: list[int], sampling: Sampling, n: int) -> list[Completion]:
         return (await self._collect(self._submit(prompt, sampling, n)))[0]
