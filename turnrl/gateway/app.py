@@ -28,12 +28,31 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from turnrl.gateway.replies import new_id
 from turnrl.gateway.requests import APIError, parse_chat, parse_completion
 from turnrl.gateway.service import Answer, Gateway
 
 SESSION_HEADER = "x-turnrl-session"
+
+try:   # a faster JSON codec where installed (the `agents` extra has it): the same JSON, a few times sooner
+    import orjson
+except ImportError:   # pragma: no cover - the standard library's, then
+    orjson = None
+
+
+class _JSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        # orjson writes what JSONResponse writes (UTF-8, no spaces), except a non-finite float (a -inf logprob),
+        # which it writes as null where JSONResponse fails the request; what it cannot write (an int past 64
+        # bits, a custom type in a session's info) goes the standard library's way
+        if orjson is not None:
+            try:
+                return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+            except TypeError:
+                pass
+        return super().render(content)
 
 
 class ClientGone(Exception):
@@ -96,7 +115,7 @@ def build_app(gateway: Gateway, on_close: Callable[[Any], None] | None = None) -
         if on_close is not None:
             on_close(traj)
         # a response, not a dict: FastAPI would walk every token of the trajectory again to encode it
-        return JSONResponse(traj.to_dict())
+        return _JSONResponse(traj.to_dict())
 
     @app.post("/v1/chat/completions")
     @app.post("/sessions/{sid}/v1/chat/completions")
@@ -106,10 +125,10 @@ def build_app(gateway: Gateway, on_close: Callable[[Any], None] | None = None) -
         session = _session(gateway, request, sid)
         if req.sampling.stream and req.sampling.n == 1:
             return await _token_stream(request, gateway, req, session)
-        answer = await _watched(request, gateway.chat(req, session))
+        answer = await _watched(request, gateway.chat(req, session, defer=not req.sampling.stream))
         if req.sampling.stream:
             return _sse(_chat_chunks(gateway, answer, req.sampling.include_usage))
-        return _timed(JSONResponse(chat_body(gateway, answer, req.logprobs)), start, answer)
+        return _timed(_JSONResponse(chat_body(gateway, answer, req.logprobs), background=_settle(answer)), start, answer)
 
     @app.post("/v1/completions")
     @app.post("/sessions/{sid}/v1/completions")
@@ -121,9 +140,21 @@ def build_app(gateway: Gateway, on_close: Callable[[Any], None] | None = None) -
         body = completion_body(gateway, answer, req.logprobs is not None)
         if req.sampling.stream:
             return _sse(_completion_chunks(body, req.sampling.include_usage))
-        return _timed(JSONResponse(body), start, answer)
+        return _timed(_JSONResponse(body), start, answer)
 
     return app
+
+
+def _settle(answer: Answer) -> BackgroundTask | None:
+    """Commit the answer's replies to its session after the response is sent (`Gateway.chat`'s `defer`). A
+    coroutine function, so Starlette runs it on the event loop, not in a worker thread."""
+    session = answer.session
+    if session is None:
+        return None
+
+    async def settle() -> None:
+        session.settle()
+    return BackgroundTask(settle)
 
 
 def _timed(response: Response, start: float, answer: Answer) -> Response:
@@ -144,7 +175,7 @@ def _session(gateway: Gateway, request: Request, sid: str | None) -> Any:
 async def _json(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw)
+        return orjson.loads(raw) if orjson is not None else json.loads(raw)
     except ValueError as exc:
         raise APIError(400, f"We could not parse the JSON body of your request: {exc}.") from None
 

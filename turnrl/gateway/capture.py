@@ -137,10 +137,12 @@ class Session:
         self.last: Branch | None = None
         self.created = time.time()
         self.closed = False
+        self._deferred: list[tuple[Call, Reply]] = []   # answered, not yet committed (`defer`)
 
     # -- one call ------------------------------------------------------------------------------------
     def begin(self, messages: list[Message], tools: list[dict[str, Any]]) -> Call:
         """Place a request in the ledger (see the module docstring); returns the call to sample for."""
+        self.settle()
         candidates = [(b.common_prefix(messages), not b.busy, i, b) for i, b in enumerate(self.branches)
                       if b.tools == tools]
         if not candidates:
@@ -180,6 +182,7 @@ class Session:
         branch, its reply echoed, new tool/user messages after it; their text from `guesses`, no full render),
         and what to `forget` if it proves wrong; None: no guess. Only a guess: `begin` decides, and the
         gateway compares (see `Gateway.chat`)."""
+        self.settle()
         branch = self.last
         if branch is None or branch.busy or self.closed or branch.tools != tools:
             return None
@@ -216,6 +219,17 @@ class Session:
         self.calls += 1
         self.last = branch
 
+    def defer(self, call: Call, reply: Reply) -> None:
+        """`commit` later, once the answer is on its way: the call stays busy until then, and every other use
+        of the session (`begin`, `guess`, `abort`, `sibling`, `record_text`, `close`, and the gateway's
+        look-up of the session for any request) settles first, so each sees the session as if committed."""
+        self._deferred.append((call, reply))
+
+    def settle(self) -> None:
+        """Commit the deferred replies, in the order they came."""
+        while self._deferred:
+            self.commit(*self._deferred.pop(0))
+
     def force(self, call: Call, ids: list[int]) -> None:
         """Put a forced opening (a tool call's start) after the call's prompt: template tokens the engine
         continues from. It lies after the checkpoint's `before`, so a retry or sibling of this prompt starts
@@ -225,6 +239,7 @@ class Session:
 
     def abort(self, call: Call) -> None:
         """Undo a call that produced no reply (engine error, client gone, context too long)."""
+        self.settle()
         branch = call.branch
         branch.busy = False
         self.aborted += 1
@@ -238,12 +253,14 @@ class Session:
 
     def sibling(self, call: Call) -> Call:
         """Another sample for the same prompt (request `n` > 1)."""
+        self.settle()
         k = len(call.branch.checkpoints) - 1
         fork = self._fork(call.branch, k, call.branch.history[:call.checkpoint.prompt_len], sibling=True)
         return self._start(fork, call.checkpoint.prompt_len, created=True)
 
     def record_text(self, prompt: list[int], ids: list[int], logprobs: list[float], finish: str, text: str) -> None:
         """A text completion: its prompt and sampled tokens as one segment of its own."""
+        self.settle()
         traj = Trajectory(group_id=self.group_id, sample_index=self.sample_index, messages=[])
         turn = self._next_turn()
         traj.segment.append(prompt, Source.PROMPT, turn)
@@ -328,6 +345,7 @@ class Session:
     # -- the record ----------------------------------------------------------------------------------
     def close(self) -> Trajectory:
         """Merge the branches into one trajectory (one segment per branch that sampled something)."""
+        self.settle()
         self.closed = True
         for branch in self.branches:
             if branch.busy:   # the agent returned while a call was in flight: that call left nothing

@@ -14,6 +14,10 @@ starts on it, and the call is placed the usual way while the engine samples. The
 placed call's prompt and sampling equal the guess token for token; otherwise it is cancelled (its engine request
 aborted), the call samples from its own prompt, and that shape is not guessed again. `stats` counts both.
 
+Deferred commits: over HTTP (`chat(..., defer=True)`) the replies are written into the session's ledger after the
+answer is sent, not before (`Session.defer`); every later use of the session settles them first, so nothing
+sees a call half-recorded, and the trajectory is the one an immediate commit makes (`tests/gateway/test_defer.py`).
+
 Sampling: the request's temperature, top_p, max_tokens, seed and stop apply, the defaults coming from the
 config (`Defaults`). With `pin_sampling` (sessions the trainer runs), temperature and top_p stay the
 config's whatever the agent asks, since the trainer recomputes logprobs at the config's temperature; a
@@ -83,6 +87,7 @@ class Answer:
     replies: list[Reply]
     prompt_tokens: int
     engine_s: float = 0.0            # waiting for the engine (the rest of a call's time is the gateway's)
+    session: Session | None = None   # with `defer`: settle it once the answer is sent
 
 
 class Gateway:
@@ -110,6 +115,7 @@ class Gateway:
         if session is None or session.closed:
             raise APIError(404, f"Session '{sid[:8]}...' does not exist or is closed; open one with POST /sessions.",
                            code="session_not_found")
+        session.settle()
         return session
 
     def close_session(self, sid: str) -> Trajectory:
@@ -123,8 +129,12 @@ class Gateway:
                            "model", "model_not_found")
 
     # -- chat ----------------------------------------------------------------------------------------
-    async def chat(self, req: ChatRequest, session: Session | None = None) -> Answer:
-        """With a guess (`_guess`), the engine starts on the guessed prompt first and the request is placed in
+    async def chat(self, req: ChatRequest, session: Session | None = None, defer: bool = False) -> Answer:
+        """`defer`: the replies are committed to the session only at its next use (`Session.defer`); the caller
+        settles it (`answer.session.settle()`) once the answer is sent, so the ledger's bookkeeping is not
+        between the engine and the agent.
+
+        With a guess (`_guess`), the engine starts on the guessed prompt first and the request is placed in
         its session while it samples; the sample is used only if the placed call's prompt and sampling equal
         the guess, token for token, else it is cancelled and the call samples again from its own prompt. The
         engine's time runs from submitting to its last completion, so checking longer than the engine took
@@ -154,7 +164,7 @@ class Gateway:
         except BaseException:
             self._undo(call)
             raise
-        return self._end_chat(req, call, completions, finished - start)
+        return self._end_chat(req, call, completions, finished - start, defer)
 
     def _guess(self, req: ChatRequest, session: Session | None) -> tuple[list[int], Sampling, Any] | None:
         """The prompt and sampling `_begin_chat` would give a one-choice request in a session, from
@@ -236,13 +246,15 @@ class Gateway:
                 call.session.abort(c)
             self.stats["aborted"] += 1
 
-    def _end_chat(self, req: ChatRequest, call: _Call, completions: list[Completion], engine_s: float = 0.0) -> Answer:
+    def _end_chat(self, req: ChatRequest, call: _Call, completions: list[Completion], engine_s: float = 0.0,
+                  defer: bool = False) -> Answer:
         replies = [build_reply(self.template, call.parser, c.token_ids, c.logprobs, c.finish_reason,
                                req.sampling.stop, call.forced) for c in completions]
         if call.session is not None:
             for c, reply in zip(call.calls, replies):
-                call.session.commit(c, reply)
-        return Answer(new_id("chatcmpl-"), int(time.time()), req.model, replies, len(call.prompt), engine_s)
+                (call.session.defer if defer else call.session.commit)(c, reply)
+        return Answer(new_id("chatcmpl-"), int(time.time()), req.model, replies, len(call.prompt), engine_s,
+                      call.session if defer else None)
 
     def forced_ids(self, req: ChatRequest) -> list[int]:
         """The tokens of the call opening `tool_choice` forces ([] for auto, none, or a request without tools)."""
