@@ -83,6 +83,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0         # vllm on CPU: KV cache size (GPU: gpu_memory_utilization)
     max_num_seqs: int = 0                # vllm: sequences scheduled together (0: vLLM's default, 128 here); the
     #                                      rest of rollout.concurrency waits in vLLM's queue
+    cpu_threads: int = 0                 # vllm on CPU (in-process): the engine's threads (0: the trainer's torch
+    #                                      threads, since rollout and update take turns; 1 where other work
+    #                                      shares the cores during rollout)
     max_lora_rank: int = 0               # vllm: > 0 adds a LoRA slot so adapters sync alone (>= model.lora.rank)
     enable_sleep_mode: bool = False      # vllm on GPU: allow engine.sleep()/wake_up() to free GPU memory
     # Ray (trainer.placement colocated/split)
