@@ -4,11 +4,20 @@ import pytest
 import torch
 
 from turnrl.models import prepare
+from turnrl.train import fused_head
 from turnrl.train.fused_head import linear_logprobs
 from turnrl.train.policy import forward_logprobs, load_policy
 
 
-def test_linear_logprobs_matches_log_softmax_with_selection_and_temperature():
+@pytest.fixture(params=["kept", "recomputed"])
+def softmax(request, monkeypatch):
+    """Both backward paths: the softmax kept from the forward (CPU default) and recomputed (GPUs)."""
+    if request.param == "recomputed":
+        monkeypatch.setitem(fused_head.KEEP_SOFTMAX_BYTES, "cpu", 0)
+    return request.param
+
+
+def test_linear_logprobs_matches_log_softmax_with_selection_and_temperature(softmax):
     torch.manual_seed(0)
     hidden = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
@@ -49,3 +58,31 @@ def test_forward_logprobs_fused_equals_unfused_on_a_model(lora):
     assert g0.keys() == g1.keys() and g0
     for name in g0:
         assert torch.allclose(g0[name], g1[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_a_frozen_head_gets_no_weight_gradient_and_the_same_hidden_gradient(softmax):
+    torch.manual_seed(2)
+    hidden = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.float64)
+    labels = torch.randint(0, 40, (1, 9))
+    g = torch.randn(1, 9, dtype=torch.float64)
+    lp, _ = linear_logprobs(hidden[None], weight, labels, chunk=4)
+    (lp.double() * g).sum().backward()
+    want = torch.autograd.grad((torch.log_softmax(hidden @ weight.T, -1).gather(-1, labels[0, :, None]).squeeze(-1)
+                                * g[0]).sum(), hidden)[0]
+    assert weight.grad is None
+    assert torch.allclose(hidden.grad, want, atol=1e-6)
+
+
+def test_the_softmax_is_kept_only_for_a_backward_and_within_the_budget(monkeypatch):
+    kept = []
+    forward = fused_head._chunk_forward
+    monkeypatch.setattr(fused_head, "_chunk_forward", lambda *a: kept.append(a[-1]) or forward(*a))
+    hidden = torch.randn(1, 6, 8, requires_grad=True)
+    weight, labels = torch.randn(30, 8), torch.randint(0, 30, (1, 6))
+    with torch.no_grad():
+        linear_logprobs(hidden, weight, labels)
+    linear_logprobs(hidden, weight, labels)
+    monkeypatch.setitem(fused_head.KEEP_SOFTMAX_BYTES, "cpu", 6 * 30 * 4 - 1)
+    linear_logprobs(hidden, weight, labels)
+    assert kept == [False, True, False]

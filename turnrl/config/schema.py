@@ -476,6 +476,7 @@ class TrainerConfig:
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
     shared_prefix: bool = True           # a group's shared prompt runs once per micro-batch (not with packing or
     #                                      gradient checkpointing; exact: turnrl/train/shared_prefix.py)
+    retain_host_memory: bool = True      # CPU training: malloc keeps freed memory (no page faults per micro-batch)
     save_every: int = 0                  # 0 = only at the end
     keep_checkpoints: int = 2
     eval_every: int = 0

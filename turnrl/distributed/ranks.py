@@ -32,6 +32,7 @@ import torch
 from turnrl.config.schema import OptimConfig
 from turnrl.distributed.sync import TensorMeta, WeightPayload, cast_all, ipc_handles, open_group, send_buckets
 from turnrl.train.batching import Rows
+from turnrl.train.host_memory import retain_for_training
 from turnrl.train.update import Stats, UpdateSettings, means, micro_step
 
 Micro = list[tuple[torch.Tensor, int] | None]
@@ -54,6 +55,7 @@ class RankSpec:
     seed: int
     gpu: bool
     threads: int = 0
+    retain_host_memory: bool = True  # CPU ranks: malloc keeps freed memory (turnrl.train.host_memory)
 
 
 def _free_port() -> int:
@@ -115,6 +117,7 @@ class TrainRank:
         self.rank, self.world, self.spec = rank, world, spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
+        retain_for_training("cuda" if spec.gpu else "cpu", spec.retain_host_memory)
         self.device = torch.device("cuda", 0) if spec.gpu else torch.device("cpu")
         self.group: Any = None
         self._ipc: dict[str, torch.Tensor] = {}

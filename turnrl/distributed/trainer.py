@@ -114,7 +114,7 @@ class DistributedTrainer:
         lora = cfg.model.lora
         spec = RankSpec(str(self.model_dir), lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                         cfg.model.gradient_checkpointing, t.optim, t.steps * t.epochs_per_step * t.mini_batches,
-                        self.settings, t.dtype, send_dtype, cfg.seed, gpu, threads)
+                        self.settings, t.dtype, send_dtype, cfg.seed, gpu, threads, t.retain_host_memory)
         rank_cls = self.ray.remote(TrainRank)
         self.ranks = RankGroup([
             rank_cls.options(**place.actor_options(self.group, self.layout.rank_bundle[r],

@@ -20,23 +20,46 @@ from typing import Any, Callable
 import torch
 
 
-def _chunk_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, inv_temp: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = (h @ w.T).float() * inv_temp
-    lse = torch.logsumexp(logits, dim=-1)
+def _chunk_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, inv_temp: float, keep: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(logprobs, log-sum-exp, entropy, the unnormalised softmax and its row sums if `keep`) of one chunk.
+    One [N, V] buffer besides the logits, written in place: a max, an exp, a sum and a row-wise dot are the
+    only passes over it."""
+    logits = (h @ w.T).float()
+    if inv_temp != 1.0:
+        logits.mul_(inv_temp)
+    top = logits.amax(-1, keepdim=True)
+    p = torch.sub(logits, top).exp_()
+    total = p.sum(-1)
+    lse = top.squeeze(1) + total.log()
     lp = logits.gather(1, labels[:, None]).squeeze(1) - lse
-    p = torch.exp(logits - lse[:, None])
-    ent = lse - (p * logits).sum(-1)
-    return lp, lse, ent
+    ent = lse - (p[:, None, :] @ logits[:, :, None]).view(-1) / total
+    return lp, lse, ent, (p, total) if keep else None
 
 
 def _chunk_backward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
-                    inv_temp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (h @ w.T).float() * inv_temp
-    onehot = torch.zeros_like(logits).scatter_(1, labels[:, None], 1.0)
-    dlogits = ((onehot - torch.exp(logits - lse[:, None])) * (g * inv_temp)[:, None]).to(h.dtype)
-    return dlogits @ w, dlogits.T @ h
+                    inv_temp: float, kept: tuple[torch.Tensor, torch.Tensor] | None, need_w: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d hidden, d weight or None) of one chunk: d logits = g * (onehot - softmax) / temperature, from the
+    softmax the forward kept or recomputed in place from the logits."""
+    scale = g * inv_temp
+    if kept is None:
+        logits = (h @ w.T).float()
+        if inv_temp != 1.0:
+            logits.mul_(inv_temp)
+        dlogits = logits.sub_(lse[:, None]).exp_().mul_(-scale[:, None])
+    else:
+        p, total = kept
+        dlogits = p * (-scale / total)[:, None]
+    dlogits[torch.arange(len(labels), device=labels.device), labels] += scale
+    dlogits = dlogits.to(h.dtype)
+    return dlogits @ w, (dlogits.T @ h if need_w else None)
 
+
+# Where the softmax of the selected tokens fits this many bytes, the forward keeps it and the backward skips
+# recomputing the logits: on a CPU that is one of the head's three [N, H] x [H, V] matmuls saved, for memory a
+# CPU has (1 GiB: 5,000 tokens of a 49k vocabulary). GPUs recompute (their memory is the scarce part).
+KEEP_SOFTMAX_BYTES: dict[str, int] = {"cpu": 1 << 30}
 
 _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
@@ -53,7 +76,7 @@ def _kernels(device: torch.device) -> tuple[Callable[..., Any], Callable[..., An
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                temperature: float, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                temperature: float, compute_dtype: torch.dtype, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
         fwd, _ = _kernels(hidden.device)
         n = hidden.shape[0]
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -61,11 +84,13 @@ class _LinearLogprob(torch.autograd.Function):
         ent = torch.empty_like(lp)
         w = weight.to(compute_dtype)
         inv_temp = 1.0 / temperature
+        kept = []
         for s in range(0, n, chunk):
-            lp[s:s + chunk], lse[s:s + chunk], ent[s:s + chunk] = fwd(
-                hidden[s:s + chunk].to(compute_dtype), w, labels[s:s + chunk], inv_temp)
+            lp[s:s + chunk], lse[s:s + chunk], ent[s:s + chunk], p = fwd(
+                hidden[s:s + chunk].to(compute_dtype), w, labels[s:s + chunk], inv_temp, keep)
+            kept.append(p)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk, ctx.inv_temp, ctx.compute_dtype = chunk, inv_temp, compute_dtype
+        ctx.chunk, ctx.inv_temp, ctx.compute_dtype, ctx.kept = chunk, inv_temp, compute_dtype, kept
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -73,16 +98,17 @@ class _LinearLogprob(torch.autograd.Function):
     def backward(ctx: Any, grad_lp: torch.Tensor, _grad_ent: torch.Tensor) -> tuple:
         hidden, weight, labels, lse = ctx.saved_tensors
         _, bwd = _kernels(hidden.device)
-        dtype = ctx.compute_dtype
+        dtype, chunk, need_w = ctx.compute_dtype, ctx.chunk, ctx.needs_input_grad[1]
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            gh, gw = bwd(hidden[s:s + ctx.chunk].to(dtype), w, labels[s:s + ctx.chunk], lse[s:s + ctx.chunk],
-                         grad_lp[s:s + ctx.chunk].float(), ctx.inv_temp)
-            grad_hidden[s:s + ctx.chunk] = gh.to(hidden.dtype)
-            grad_weight += gw.float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for i, s in enumerate(range(0, hidden.shape[0], chunk)):
+            gh, gw = bwd(hidden[s:s + chunk].to(dtype), w, labels[s:s + chunk], lse[s:s + chunk],
+                         grad_lp[s:s + chunk].float(), ctx.inv_temp, ctx.kept[i], need_w)
+            grad_hidden[s:s + chunk] = gh.to(hidden.dtype)
+            if need_w:
+                grad_weight += gw.float()
+        return (grad_hidden, grad_weight.to(weight.dtype) if need_w else None, None, None, None, None, None)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
@@ -99,7 +125,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         flat_h, flat_labels = hidden.reshape(b * t, h), labels.reshape(b * t)
     else:
         flat_h, flat_labels = hidden[select], labels[select]
-    lp, ent = _LinearLogprob.apply(flat_h, weight, flat_labels, chunk, float(temperature), dtype)
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and \
+        flat_h.shape[0] * weight.shape[0] * 4 <= KEEP_SOFTMAX_BYTES.get(hidden.device.type, 0)
+    lp, ent = _LinearLogprob.apply(flat_h, weight, flat_labels, chunk, float(temperature), dtype, keep)
     if select is None:
         return lp.view(b, t), ent.view(b, t)
     out_lp = torch.zeros((b, t), dtype=lp.dtype, device=lp.device).masked_scatter(select, lp)

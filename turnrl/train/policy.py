@@ -47,6 +47,8 @@ def load_policy(model_dir: str, device: torch.device, lora_rank: int = 0, lora_a
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                                  target_modules=target_modules, task_type="CAUSAL_LM"))
+        from turnrl.train.lora_fused import fuse_lora_linears
+        fuse_lora_linears(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_rank > 0:
@@ -235,6 +237,8 @@ def load_critic(model_dir: str, device: torch.device, lora_rank: int = 0, lora_a
         from peft import LoraConfig, get_peft_model
         critic = get_peft_model(critic, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
                                                    task_type="TOKEN_CLS"))
+        from turnrl.train.lora_fused import fuse_lora_linears
+        fuse_lora_linears(critic)
     critic.train()
     return critic
 

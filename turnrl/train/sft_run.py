@@ -17,6 +17,7 @@ from turnrl.rollout.factory import build_engine, build_environment, build_loop
 from turnrl.rewards.build import reward_functions
 from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
+from turnrl.train.host_memory import retain_for_training
 from turnrl.train.optim import build_optimizer
 from turnrl.train.policy import autocast_dtype, export_weights, load_policy, trainable_parameters
 from turnrl.train.sft import load_examples, sft_epoch
@@ -34,6 +35,7 @@ class SFTRun:
         run = set_up_run(cfg)   # each fit draws its own generator (`_optimizer`)
         self.out, self.model_dir, self.template = run.out, run.model_dir, run.template
         self.device = resolve_device(cfg.trainer.device)
+        retain_for_training(self.device.type, cfg.trainer.retain_host_memory)
         self.amp = autocast_dtype(cfg.trainer.dtype, self.device)
         self.pad_id = self.template.tokenizer.pad_token_id or 0
         lora = cfg.model.lora

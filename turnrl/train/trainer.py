@@ -35,6 +35,7 @@ from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.dynamic_sampling import collect_step, shape_overlong
 from turnrl.train.batching import Rows
+from turnrl.train.host_memory import retain_for_training
 from turnrl.train.metrics import accuracy_of
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import use_packed_attention
@@ -95,6 +96,7 @@ class Trainer:
         run = set_up_run(cfg)
         self.out, self.model_dir, self.template, self.generator = run.out, run.model_dir, run.template, run.generator
         self.device = resolve_device(cfg.trainer.device)
+        retain_for_training(self.device.type, cfg.trainer.retain_host_memory)
         self.settings = settings_from(cfg, self.device)
         self.amp = autocast_dtype(cfg.trainer.dtype, self.device)
         self.data = train_data(cfg)
