@@ -6,7 +6,8 @@ import torch
 
 from turnrl.models import prepare
 from turnrl.train.policy import forward_logprobs, load_policy
-from turnrl.train.shared_prefix import prefix_groups, shared_hidden, shared_micro_batches
+from turnrl.train import shared_prefix as sp
+from turnrl.train.shared_prefix import prefix_groups, shared_hidden, shared_micro_batches, suffix_lanes
 
 
 def rows(prompts=((40, 3), (50, 3), (45, 1)), seed=0):
@@ -62,9 +63,30 @@ def test_micro_batches_keep_groups_together_and_count_each_prefix_once():
     assert sorted(r for rows_, _ in small for r in rows_.tolist()) == list(range(7)) and len(small) > len(batches)
 
 
-@pytest.mark.parametrize("lora,temperature,fused", [(0, 1.0, False), (8, 0.7, False), (0, 0.7, True), (8, 1.0, True)])
-def test_logprobs_entropy_and_gradients_equal_the_plain_forward(lora, temperature, fused, monkeypatch):
+def test_suffix_lanes_are_the_cheapest_split_of_the_sorted_lengths():
+    assert suffix_lanes([5, 100, 6, 98], lane_cost=10) == [[0, 2], [3, 1]]   # 2*6 + 2*100 + 20 = 232 < 410
+    assert suffix_lanes([5, 100, 6, 98], lane_cost=1000) == [[0, 2, 3, 1]]
+    assert suffix_lanes([5, 100, 6, 98], lane_cost=0) == [[0], [2], [3], [1]]
+    assert suffix_lanes([7, 7, 7], lane_cost=0) == [[0, 1, 2]]                 # equal lengths: one lane
+    assert suffix_lanes([], lane_cost=64) == []
+
+
+def test_micro_batches_count_suffixes_padded_within_lanes():
+    lengths = torch.tensor([50, 50, 300, 300, 60, 60])   # one group of 4 sharing 40 tokens, two plain rows
+    group, prefix = torch.tensor([0, 0, 0, 0, -1, -1]), torch.tensor([40, 40, 40, 40, 0, 0])
+    # suffixes 10, 10, 260, 260, 60, 60 in three lanes: 20 + 120 + 520 padded tokens, plus the prefix's 40
+    # (one lane would be 6 * 260 + 40)
+    (rows_, _), = shared_micro_batches(torch.arange(6), lengths, group, prefix, token_budget=700, lane_cost=8)
+    assert sorted(rows_.tolist()) == list(range(6))
+    assert len(shared_micro_batches(torch.arange(6), lengths, group, prefix, token_budget=699, lane_cost=8)) > 1
+
+
+@pytest.mark.parametrize("lora,temperature,fused,lanes", [(0, 1.0, False, "few"), (8, 0.7, False, "one per length"),
+                                                          (0, 0.7, True, "one per length"), (8, 1.0, True, "few")])
+def test_logprobs_entropy_and_gradients_equal_the_plain_forward(lora, temperature, fused, lanes, monkeypatch):
     import turnrl.train.policy as policy
+    if lanes == "one per length":
+        monkeypatch.setitem(sp.LANE_COST, "cpu", 0)
     calls = []
     monkeypatch.setattr(policy, "shared_hidden", lambda *a: calls.append(1) or shared_hidden(*a))
     torch.manual_seed(0)

@@ -21,6 +21,11 @@ from typing import Any
 import torch
 
 MIN_PREFIX = 32   # shorter shared prefixes are not worth a second forward call
+# What one more decoder call (lane) costs, in padded tokens: on a CPU, where a row's forward and backward
+# cost ~4.5 ms per token (SmolLM2-135M, fp32, 2 cores) and a call re-reads the weights (~0.1-0.3 s), 64.
+# Elsewhere a lane is split off only when it saves many tokens (not measured on GPUs yet).
+LANE_COST = {"cpu": 64}
+DEFAULT_LANE_COST = 1024
 
 
 def prefix_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -47,11 +52,35 @@ def prefix_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     return group, prefix
 
 
+def suffix_lanes(lengths: list[int], lane_cost: int) -> list[list[int]]:
+    """The positions of `lengths` split into lanes, each run as one decoder call padded to its longest row,
+    that minimise padded tokens plus `lane_cost` per lane: the optimal split of the sorted lengths into
+    contiguous runs (a dynamic programme, O(n^2) in the rows of one micro-batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best, cut = [0] + [None] * n, [0] * (n + 1)
+    for i in range(1, n + 1):
+        top = lengths[order[i - 1]]
+        for j in range(i):
+            cost = best[j] + (i - j) * top + lane_cost
+            if best[i] is None or cost < best[i]:
+                best[i], cut[i] = cost, j
+    lanes, i = [], n
+    while i > 0:
+        lanes.append(order[cut[i]:i])
+        i = cut[i]
+    return lanes[::-1]
+
+
+def lane_cost_for(device_type: str) -> int:
+    return LANE_COST.get(device_type, DEFAULT_LANE_COST)
+
+
 def shared_micro_batches(index: torch.Tensor, lengths: torch.Tensor, group: torch.Tensor, prefix: torch.Tensor,
-                         token_budget: int) -> list[tuple[torch.Tensor, int]]:
+                         token_budget: int, lane_cost: int = 0) -> list[tuple[torch.Tensor, int]]:
     """Split row indices into (rows, width) micro-batches whose computed tokens (each group's prefix once, then
-    every row's padded suffix) stay within the budget; a group's rows stay together unless they alone exceed
-    it. Width is the longest row, as for `turnrl.train.batching.micro_batches`."""
+    every row's suffix, padded within its lane) stay within the budget; a group's rows stay together unless
+    they alone exceed it. Width is the longest row, as for `turnrl.train.batching.micro_batches`."""
     units: dict[int, list[int]] = {}
     for row in index.tolist():
         g = int(group[row])
@@ -59,40 +88,40 @@ def shared_micro_batches(index: torch.Tensor, lengths: torch.Tensor, group: torc
     order = sorted(units.values(), key=lambda rows: -sum(int(lengths[r]) for r in rows))
     batches: list[list[int]] = []
     for rows in order:
-        for part in _fit(rows, lengths, prefix, token_budget):
-            if batches and _cost(batches[-1] + part, lengths, group, prefix) <= token_budget:
+        for part in _fit(rows, lengths, group, prefix, token_budget, lane_cost):
+            if batches and _cost(batches[-1] + part, lengths, group, prefix, lane_cost) <= token_budget:
                 batches[-1].extend(part)
             else:
                 batches.append(list(part))
     return [(torch.tensor(rows, dtype=torch.long), max(int(lengths[r]) for r in rows)) for rows in batches]
 
 
-def _fit(rows: list[int], lengths: torch.Tensor, prefix: torch.Tensor, budget: int) -> list[list[int]]:
+def _fit(rows: list[int], lengths: torch.Tensor, group: torch.Tensor, prefix: torch.Tensor, budget: int,
+         lane_cost: int) -> list[list[int]]:
     """One group's rows in parts that each fit the budget on their own (a part recomputes the prefix)."""
     parts: list[list[int]] = [[]]
     for r in rows:
         part = parts[-1] + [r]
-        shared = int(prefix[r])
-        cost = shared + len(part) * max(int(lengths[x]) - shared for x in part)
-        if parts[-1] and cost > budget:
+        if parts[-1] and _cost(part, lengths, group, prefix, lane_cost) > budget:
             parts.append([r])
         else:
             parts[-1] = part
     return parts
 
 
-def _cost(rows: list[int], lengths: torch.Tensor, group: torch.Tensor, prefix: torch.Tensor) -> int:
+def _cost(rows: list[int], lengths: torch.Tensor, group: torch.Tensor, prefix: torch.Tensor, lane_cost: int) -> int:
+    """Tokens a micro-batch computes: each shared prefix once (padded to the longest), and the suffixes padded
+    within their lanes."""
     prefixes = {int(group[r]): int(prefix[r]) for r in rows if int(prefix[r]) > 0}
-    suffix = max(int(lengths[r]) - int(prefix[r]) for r in rows)
-    return len(prefixes) * max(prefixes.values(), default=0) + len(rows) * suffix
+    suffixes = [int(lengths[r]) - int(prefix[r]) for r in rows]
+    padded = sum(len(lane) * max(suffixes[i] for i in lane) for lane in suffix_lanes(suffixes, lane_cost))
+    return len(prefixes) * max(prefixes.values(), default=0) + padded
 
 
 def shared_hidden(decoder: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                   group: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
     """The decoder's last hidden states [B, T, H] for right-padded rows, each shared prefix computed once.
     Positions inside a row's prefix are 0 (nothing reads them); the rest equal a plain forward's."""
-    from transformers import DynamicCache
-
     dev = input_ids.device
     b, t = input_ids.shape
     plen = prefix.tolist()
@@ -105,18 +134,35 @@ def shared_hidden(decoder: Any, input_ids: torch.Tensor, attention_mask: torch.T
     lead = torch.tensor(list(owners.values()), device=dev)
     # 1. every shared prefix once; right padding needs no mask under causal attention
     positions = torch.arange(width, device=dev).expand(len(owners), width)
-    out = decoder(input_ids=input_ids[lead, :width], position_ids=positions, use_cache=True)
-    # 2. each row's suffix against its group's keys and values (a zero block, masked, for rows without one)
-    cache = out.past_key_values
+    cache = decoder(input_ids=input_ids[lead, :width], position_ids=positions, use_cache=True).past_key_values
+    # 2. each row's suffix against its group's keys and values (a zero block, masked, for rows without one),
+    #    in lanes of rows of similar suffix length so that short suffixes are not padded to the longest
     pick = torch.tensor([slots[g] if plen[r] > 0 else len(owners) for r, g in enumerate(group.tolist())], device=dev)
+    padded = [(torch.cat([layer.keys, torch.zeros_like(layer.keys[:1])]),
+               torch.cat([layer.values, torch.zeros_like(layer.values[:1])])) for layer in cache.layers]
+    suffix_len = attention_mask.sum(1) - prefix.to(dev)
+    lanes = suffix_lanes(suffix_len.tolist(), lane_cost_for(dev.type))
+    outs = [_suffix_lane(decoder, input_ids[rows], position_ids[rows], padded, pick[rows], prefix.to(dev)[rows],
+                         suffix_len[rows], width)
+            for rows in (torch.tensor(lane, device=dev) for lane in lanes)]
+    order = torch.tensor([r for lane in lanes for r in lane], device=dev)
+    return torch.cat(outs)[torch.argsort(order)]
+
+
+def _suffix_lane(decoder: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 padded: list[tuple[torch.Tensor, torch.Tensor]], pick: torch.Tensor, shared: torch.Tensor,
+                 suffix_len: torch.Tensor, width: int) -> torch.Tensor:
+    """One lane's rows [n, T, H] in their own layout: their suffixes run against the prefix keys and values
+    `pick` selects from `padded` (per layer; the last slot is the zero block of rows without a prefix)."""
+    from transformers import DynamicCache
+
+    dev = input_ids.device
+    t = input_ids.shape[1]
     rows_cache = DynamicCache(config=decoder.config)
-    for mine, theirs in zip(rows_cache.layers, cache.layers):
-        keys = torch.cat([theirs.keys, torch.zeros_like(theirs.keys[:1])])[pick]
-        values = torch.cat([theirs.values, torch.zeros_like(theirs.values[:1])])[pick]
+    for mine, (keys, values) in zip(rows_cache.layers, padded):
+        keys, values = keys[pick], values[pick]
         mine.lazy_initialization(keys, values)
         mine.keys, mine.values = keys, values
-    shared = prefix.to(dev)
-    suffix_len = attention_mask.sum(1) - shared
     span = int(suffix_len.max())
     steps = torch.arange(span, device=dev)[None]
     source = (shared[:, None] + steps).clamp(max=t - 1)
@@ -126,7 +172,7 @@ def shared_hidden(decoder: Any, input_ids: torch.Tensor, attention_mask: torch.T
     positions = torch.where(shared[:, None] > 0, shared[:, None] + steps, position_ids.gather(1, source))
     hidden = decoder(input_ids=input_ids.gather(1, source), attention_mask=mask, position_ids=positions,
                      past_key_values=rows_cache, use_cache=True).last_hidden_state
-    # 3. back to the rows' own layout
+    # back to the rows' own layout
     cols = torch.arange(t, device=dev)[None]
     back = (cols - shared[:, None]).clamp(0, span - 1)
     full = hidden.gather(1, back[..., None].expand(-1, -1, hidden.shape[-1]))

@@ -23,7 +23,7 @@ from turnrl.config.schema import AlgoConfig, TrainerConfig
 from turnrl.train.batching import Rows, micro_batches, mini_batches, to_device
 from turnrl.train.packing import Packed, pack
 from turnrl.train.policy import forward_logprobs, forward_values
-from turnrl.train.shared_prefix import prefix_groups, shared_micro_batches
+from turnrl.train.shared_prefix import lane_cost_for, prefix_groups, shared_micro_batches
 
 SEQ_LEVEL = ("grpo", "drgrpo", "rloo")
 
@@ -260,6 +260,7 @@ class Sharing:
 
     def __init__(self, rows: Rows, s: UpdateSettings, enabled: bool = True):
         self.budget = s.micro_batch_tokens
+        self.lane_cost = lane_cost_for(rows.input_ids.device.type)
         self.group = self.prefix = None
         if enabled and s.shared_prefix and not s.packing:
             self.group, self.prefix = prefix_groups(rows.input_ids, rows.attention_mask, rows.position_ids,
@@ -270,7 +271,7 @@ class Sharing:
     def micro_batches(self, index: torch.Tensor, lengths: torch.Tensor, packing: bool) -> list[tuple[torch.Tensor, int]]:
         if self.group is None:
             return micro_batches(index, lengths, self.budget, packing)
-        return shared_micro_batches(index, lengths, self.group, self.prefix, self.budget)
+        return shared_micro_batches(index, lengths, self.group, self.prefix, self.budget, self.lane_cost)
 
     def of(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.group is None else (self.group[index], self.prefix[index])
