@@ -7,6 +7,9 @@ recomputes a chunk's logits and forms d logits = g * (onehot - softmax) / temper
 one extra lm_head matmul in the backward (recompute); the gain is memory that no longer grows with V * N and
 far less memory traffic. The same idea as fused linear cross-entropy kernels, but the gradient is for an
 arbitrary upstream gradient on each token's logprob (PPO needs that), so nothing is precomputed forward.
+On a CPU, where memory is plentiful and the matmul is the cost, the forward keeps the (unnormalised) softmax
+when it fits `KEEP_SOFTMAX_BYTES` and the backward skips the recompute; a frozen head (LoRA) gets no weight
+gradient at all.
 
 Only the rows the caller selects are computed at all: an RL update needs logprobs of policy tokens only,
 not of the prompt, tool results or user turns. On GPUs the per-chunk work (matmul epilogue: upcast,
