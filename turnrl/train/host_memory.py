@@ -35,9 +35,9 @@ def retain_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        version = libc.gnu_get_libc_version   # glibc only: musl and others have no such symbol
-    except (OSError, AttributeError):
+    except OSError:
         return False
-    del version
+    if not hasattr(libc, "gnu_get_libc_version"):   # glibc only: musl and others have no such symbol
+        return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_FROM_BYTES)) and bool(libc.mallopt(_M_TRIM_THRESHOLD,
                                                                                      KEEP_TOP_BYTES))

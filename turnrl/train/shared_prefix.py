@@ -146,9 +146,10 @@ def shared_hidden(decoder: Any, input_ids: torch.Tensor, attention_mask: torch.T
     pick = torch.tensor([slots[g] if plen[r] > 0 else len(owners) for r, g in enumerate(group.tolist())], device=dev)
     padded = [(torch.cat([layer.keys, torch.zeros_like(layer.keys[:1])]),
                torch.cat([layer.values, torch.zeros_like(layer.values[:1])])) for layer in cache.layers]
-    suffix_len = attention_mask.sum(1) - prefix.to(dev)
+    shared = prefix.to(dev)
+    suffix_len = attention_mask.sum(1) - shared
     lanes = suffix_lanes(suffix_len.tolist(), lane_cost_for(dev.type))
-    outs = [_suffix_lane(decoder, input_ids[rows], position_ids[rows], padded, pick[rows], prefix.to(dev)[rows],
+    outs = [_suffix_lane(decoder, input_ids[rows], position_ids[rows], padded, pick[rows], shared[rows],
                          suffix_len[rows], width)
             for rows in (torch.tensor(lane, device=dev) for lane in lanes)]
     order = torch.tensor([r for lane in lanes for r in lane], device=dev)
