@@ -9,11 +9,15 @@ from turnrl.train.fused_head import linear_logprobs
 from turnrl.train.policy import forward_logprobs, load_policy
 
 
-@pytest.fixture(params=["kept", "recomputed"])
+@pytest.fixture(params=["kept", "recomputed", "pure-recomputed", "pure-kept"])
 def softmax(request, monkeypatch):
-    """Both backward paths: the softmax kept from the forward (CPU default) and recomputed (GPUs)."""
-    if request.param == "recomputed":
+    """Both backward paths: the softmax kept from the forward (CPU default) and recomputed (GPUs); each with
+    the in-place chunk bodies (CPUs) and the pure ones that CUDA compiles (run eagerly here)."""
+    if request.param.endswith("recomputed"):
         monkeypatch.setitem(fused_head.KEEP_SOFTMAX_BYTES, "cpu", 0)
+    if request.param.startswith("pure"):
+        monkeypatch.setattr(fused_head, "_kernels", lambda device: (fused_head._fused_forward,
+                                                                    fused_head._fused_backward))
     return request.param
 
 

@@ -45,6 +45,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--repeats", type=int, default=3)
     q.add_argument("--peak-tflops", type=float, default=None,
                    help="peak FLOP/s for MFU (default: 790 on an H200, else unknown and MFU is left out)")
+    q.add_argument("--profile", action="store_true",
+                   help="after timing, profile one update and one logprob pass: device time by kernel kind")
     q.add_argument("--json", required=True, help="where to write the report")
 
     q = sub.add_parser("step", help="end-to-end RL step time split into rollout/reward/logprob/update/sync")
@@ -136,7 +138,8 @@ def _train(a: argparse.Namespace) -> int:
     if a.batch < 1 or a.seq_len < 4:
         raise SystemExit("error: --batch must be >= 1 and --seq-len >= 4")
     try:
-        report = bench_train(cfg, a.batch, a.seq_len, a.steps, a.repeats, a.warmup, a.peak_tflops, a.min_fraction)
+        report = bench_train(cfg, a.batch, a.seq_len, a.steps, a.repeats, a.warmup, a.peak_tflops, a.min_fraction,
+                             profile=a.profile)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(format_report(report))

@@ -42,6 +42,7 @@ import torch
 
 from turnrl.algo.advantages import broadcast, grpo
 from turnrl.bench.common import machine_info, spread
+from turnrl.bench.profile import format_breakdown, profile_call
 from turnrl.config import Config, to_dict
 from turnrl.engines.hf import resolve_device
 from turnrl.models import resolve
@@ -180,7 +181,7 @@ def _peak_memory_gb(device: torch.device) -> float:
 
 def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int, warmup: int = 1,
                 peak_tflops: float | None = None, min_fraction: float = 0.5, prompt_fraction: float = 0.5,
-                turns: int = 3, seed: int = 0) -> dict[str, Any]:
+                turns: int = 3, seed: int = 0, profile: bool = False) -> dict[str, Any]:
     if steps < 1 or repeats < 1 or warmup < 0:
         raise ValueError("the train benchmark needs --steps >= 1, --repeats >= 1 and --warmup >= 0")
     device = resolve_device(cfg.trainer.device)
@@ -236,11 +237,13 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         runs.append({"repeat": r, "loadavg_1m": load, "update_s": update_s, "logprob_pass_s": forward_s,
                      "loss": stats[-1].get("loss/policy"), "grad_norm": stats[-1].get("grad_norm"),
                      **_rates(per_update, update_s, forward_s, peak_tflops)})
+    profiled = {"update": profile_call(update, device), "logprob_pass": profile_call(forward, device)} \
+        if profile else None
     keys = [k for k in runs[0] if k not in ("repeat", "loadavg_1m", "loss", "grad_norm")]
     summary = {k: spread([run[k] for run in runs]) for k in keys if runs[0][k] is not None}
     return {"benchmark": "train", "summary": summary, "runs": runs, "work_per_update": per_update,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
-            "setup_s": setup_s,
+            "setup_s": setup_s, **({"profile": profiled} if profiled else {}),
             "flops_note": "6N: N = all base-model parameters (tied embeddings once, LoRA adapters excluded); "
                           "with attention: + 12*L*H*d_head*S per token of a row of length S (PaLM, no causal "
                           "discount); tokens are real (unpadded) tokens; with LoRA the work done is nearer 4N",
@@ -291,4 +294,6 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{report['peak_memory_gb']:.2f} GiB; machine: {mach['cpus_usable']}/{mach['cpu_count']} cpus, "
                  f"gpu={mach['gpu']}, load {mach['loadavg'][0]:.2f}; "
                  f"{', '.join(f'{k} {v}' for k, v in mach['versions'].items())}")
+    for name, part in report.get("profile", {}).items():
+        lines.append(format_breakdown(part, f"profile of one {name}"))
     return "\n".join(lines)

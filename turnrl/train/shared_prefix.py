@@ -29,8 +29,10 @@ import torch
 MIN_PREFIX = 32   # shorter shared prefixes are not worth a second forward call
 # What one more decoder call (lane) costs, in padded tokens: on a CPU, where a row's forward and backward
 # cost ~4.5 ms per token (SmolLM2-135M, fp32, 2 cores) and a call re-reads the weights (~0.1-0.3 s), 64.
-# Elsewhere a lane is split off only when it saves many tokens (not measured on GPUs yet).
-LANE_COST = {"cpu": 64}
+# On a GPU a call is mostly fixed cost at these sizes: `benchmarks/lane_cost_probe.py` on an H100 (Qwen2.5-0.5B
+# shape, 16 rows, bf16 autocast) put a lane at 200-10,000 suffix tokens, median ~5,000 (noisy), so a lane is
+# split off only when it saves that many. Elsewhere, a middle value.
+LANE_COST = {"cpu": 64, "cuda": 4096}
 DEFAULT_LANE_COST = 1024
 
 

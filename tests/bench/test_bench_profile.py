@@ -1,0 +1,56 @@
+"""`turnrl bench train --profile`: device time grouped by kernel kind."""
+
+import json
+
+import pytest
+
+from turnrl.bench.profile import Kernel, breakdown, category
+from turnrl.cli import main
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_NNN", "matmul"),
+    ("void gemv2T_kernel_val<int, int, float, float>", "matmul"),
+    ("aten::addmm", "matmul"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", "optimizer"),
+    ("Optimizer.step#AdamW.step", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("triton_poi_fused__unsafe_view_mul_silu_9", "fused_elementwise"),
+    ("triton_red_fused_amax_exp_sub_sum_0", "reduction"),
+    ("aten::empty_strided", "other"),
+])
+def test_kernels_are_grouped_by_kind(name, kind):
+    assert category(name) == kind
+
+
+def test_breakdown_sums_the_kernels_and_ranks_the_top_ones():
+    kernels = [Kernel("aten::mm", 10, 0.6), Kernel("Memcpy DtoD (Device -> Device)", 3, 0.1),
+               Kernel("flash_fwd_kernel", 2, 0.2), Kernel("aten::empty", 40, 0.1)]
+    out = breakdown(kernels, wall_s=2.0, top=2)
+    assert out["kernel_s"] == pytest.approx(1.0) and out["busy_fraction"] == pytest.approx(0.5)
+    assert out["by_category_s"] == pytest.approx({"matmul": 0.6, "attention": 0.2, "copy": 0.1, "other": 0.1})
+    assert list(out["by_category_s"])[0] == "matmul"
+    assert sum(out["by_category_fraction"].values()) == pytest.approx(1.0)
+    assert [k["name"] for k in out["top"]] == ["aten::mm", "flash_fwd_kernel"]
+    assert breakdown([], wall_s=0.0)["busy_fraction"] is None
+
+
+def test_bench_train_profiles_one_update_and_one_logprob_pass(tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--model", "tiny-shape", "--batch", "2", "--seq-len", "16", "--steps", "1",
+                 "--repeats", "1", "--lora-rank", "0", "--profile", "--json", str(out)]) == 0
+    profile = json.loads(out.read_text())["profile"]
+    for part in ("update", "logprob_pass"):
+        p = profile[part]
+        assert 0 < p["kernel_s"] and p["wall_s"] > 0
+        assert p["by_category_s"]["matmul"] > 0 and sum(p["by_category_s"].values()) == pytest.approx(p["kernel_s"])
+        assert p["top"] and all(k["calls"] >= 1 for k in p["top"])
+    assert "optimizer" in profile["update"]["by_category_s"] and "optimizer" not in profile["logprob_pass"]["by_category_s"]
+
+
+def test_inductor_kernels_with_a_cast_fused_in_are_not_copies():
+    assert category("triton_per_fused__to_copy__unsafe_view_add_div_expand_mul_pow_sum_view_7") == "reduction"
+    assert category("triton_poi_fused__to_copy_exp_mul_neg_sub_unsqueeze_0") == "fused_elementwise"
+    assert category("void at::native::bfloat16_copy_kernel_cuda") == "copy"

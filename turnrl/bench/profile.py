@@ -1,0 +1,105 @@
+"""Where an update's device time goes: kernels grouped by kind, from one `torch.profiler` run.
+
+`profile_call(fn, device)` runs `fn` once under the profiler and returns a breakdown: device time per
+category (matmul, attention, fused/elementwise, optimizer, copies, other), the top kernels, and the busy
+fraction of the wall time (what the device computed against how long the call took: the rest is launch
+gaps and host work). On a CPU the "kernels" are the profiler's CPU ops, self time (no double counting of
+nested ops), so the same table is useful there too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.autograd import DeviceType
+
+# First match wins. Names are CUDA kernel names (cuBLAS/CUTLASS, flash-attention, Triton from inductor,
+# PyTorch's own) or, on a CPU, aten op names.
+CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("optimizer", re.compile(r"adam|multi_tensor_apply|_foreach_|fused_adam", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|sm90_|sm80_|cublas|aten::(mm|addmm|bmm|matmul|linear)\b",
+                          re.I)),
+    # inductor's kernels: reductions (persistent or looped) and pointwise ones, casts fused in or not
+    ("reduction", re.compile(r"^triton_(red|per)_")),
+    ("fused_elementwise", re.compile(r"^triton_")),
+    ("copy", re.compile(r"memcpy|memset|copy_|aten::(to|_to_copy|copy_|clone|contiguous)\b", re.I)),
+    ("reduction", re.compile(r"reduce|norm|softmax|logsumexp|sum|amax|max_", re.I)),
+    ("fused_elementwise", re.compile(r"elementwise|vectorized|unrolled|aten::(add|mul|sub|div|exp|silu|"
+                                     r"neg|where|cat|index|gather|scatter)", re.I)),
+)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    calls: int
+    seconds: float
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def breakdown(kernels: Iterable[Kernel], wall_s: float, top: int = 25) -> dict[str, Any]:
+    """Device seconds per category and the `top` kernels by time; `busy_fraction` = kernel time / wall."""
+    kernels = sorted(kernels, key=lambda k: k.seconds, reverse=True)
+    total = sum(k.seconds for k in kernels)
+    by_category: dict[str, float] = {}
+    for k in kernels:
+        by_category[category(k.name)] = by_category.get(category(k.name), 0.0) + k.seconds
+    return {"wall_s": wall_s, "kernel_s": total, "busy_fraction": total / wall_s if wall_s > 0 else None,
+            "by_category_s": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "by_category_fraction": {c: s / total for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])}
+            if total > 0 else {},
+            "top": [{"name": k.name[:160], "category": category(k.name), "calls": k.calls, "s": k.seconds,
+                     "fraction": k.seconds / total if total else None} for k in kernels[:top]]}
+
+
+def _kernels(prof: Any, device: torch.device) -> list[Kernel]:
+    out = []
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            # device-side rows only (kernels, copies): the CPU ops that launched them are not counted again
+            if getattr(e, "device_type", None) != DeviceType.CUDA:
+                continue
+            seconds = getattr(e, "self_device_time_total", 0.0) / 1e6
+            if seconds <= 0:
+                continue
+        else:
+            seconds = e.self_cpu_time_total / 1e6
+            if seconds <= 0:
+                continue
+        out.append(Kernel(e.key, int(e.count), float(seconds)))
+    return out
+
+
+def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> dict[str, Any]:
+    """Run `fn` once under the profiler (after the caller's warm-up) and return `breakdown` of its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - start
+    return breakdown(_kernels(prof, device), wall, top)
+
+
+def format_breakdown(report: dict[str, Any], title: str) -> str:
+    lines = [f"{title}: wall {report['wall_s'] * 1e3:.1f} ms, kernels {report['kernel_s'] * 1e3:.1f} ms"
+             + (f" (busy {report['busy_fraction']:.1%})" if report["busy_fraction"] is not None else "")]
+    lines += [f"  {c:<18} {s * 1e3:8.1f} ms  {report['by_category_fraction'].get(c, 0):6.1%}"
+              for c, s in report["by_category_s"].items()]
+    lines += [f"    {k['s'] * 1e3:8.2f} ms x{k['calls']:<5} {k['category']:<17} {k['name'][:90]}" for k in report["top"][:12]]
+    return "\n".join(lines)
