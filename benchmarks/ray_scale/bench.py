@@ -11,7 +11,9 @@ Phases (each prints its figures; all go to OUT/ray_scale.json, and a table at th
   the conversation after k turns, k drawn from 1..6 with P(k) ~ 2^-k (most are short, a few are long: the
   stragglers that a synchronous step waits for). Same rows, seeds and sizes for all; async uses
   max_staleness=1 and algo.tis_cap=2; partial is async with `engine.partial_rollout` (weight syncs interrupt
-  the requests in flight, which resume on the new weights). Step time is the mean over all steps but the first (warm-up). Checks:
+  the requests in flight, which resume on the new weights); carry is partial with `trainer.carry_over=1` (a batch
+  closes at prompts_per_step finished groups, the rest run on into the next batch). `--user-delay S` makes each
+  simulated-user reply take S seconds, so long conversations are slow even on a CPU. Step time is the mean over all steps but the first (warm-up). Checks:
   the engine holds the trainer's weights after the last sync, every trajectory stayed on one replica, and no
   batch was staler than max_staleness.
 
@@ -49,15 +51,18 @@ SHAPES = {
 
 # -- the environment of the RL phases (run on the driver) --------------------------------------------------
 class RandomTurns:
-    """A simulated user that says 'Go on.' until the row's number of turns is reached."""
+    """A simulated user that says 'Go on.' until the row's number of turns is reached, each reply after the
+    row's `delay` seconds (a user model or tool that takes time; the event loop runs on meanwhile)."""
 
-    def start(self, turns: int = 1, **_: Any) -> None:
-        self.left, self.replies = int(turns), 0
+    def start(self, turns: int = 1, delay: float = 0.0, **_: Any) -> None:
+        self.left, self.replies, self.delay = int(turns), 0, float(delay)
 
-    def respond(self, messages: list[dict[str, Any]]) -> Any:
+    async def respond(self, messages: list[dict[str, Any]]) -> Any:
         from turnrl.env.interactions import Reply
         self.left -= 1
         self.replies += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
         return Reply("Go on.", done=self.left <= 0)
 
     def finish(self) -> float:
@@ -70,13 +75,13 @@ def reward(traj: Any) -> float:
     return (len(text) % 5) / 4.0
 
 
-def write_rows(path: Path, n: int, seed: int) -> None:
+def write_rows(path: Path, n: int, seed: int, delay: float = 0.0) -> None:
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i in range(n):
             turns = min(6, 1 + int(rng.expovariate(0.693)))   # P(k) ~ 2^-k, capped at 6
             f.write(json.dumps({"messages": [{"role": "user", "content": f"Tell me a story, part {i}."}],
-                                "interaction": {"name": "turns", "turns": turns}}) + "\n")
+                                "interaction": {"name": "turns", "turns": turns, "delay": delay}}) + "\n")
 
 
 def build_model(out: Path, tokenizer_dir: Path, shape: str) -> Path:
@@ -170,7 +175,7 @@ def rl_config(out: Path, model_dir: Path, data: Path, args: argparse.Namespace, 
     cfg_file.write_text(json.dumps({
         "model": {"name": str(model_dir)},
         "engine": {"kind": "hf", "dtype": "float32" if args.cpu else "auto", "max_batch_size": 256, "gather_ms": 2.0,
-                   "max_model_len": 1024, "fast": args.fast, "partial_rollout": mode == "partial"},
+                   "max_model_len": 1024, "fast": args.fast, "partial_rollout": mode in ("partial", "carry")},
         "rollout": {"n": args.n, "max_assistant_turns": 8, "max_user_turns": 8, "max_response_tokens": 4096,
                     "max_context_tokens": 8192, "concurrency": 1024,
                     "sampling": {"max_tokens_per_turn": args.max_tokens},
@@ -182,7 +187,8 @@ def rl_config(out: Path, model_dir: Path, data: Path, args: argparse.Namespace, 
                     "dtype": "float32" if args.cpu else "auto",
                     "micro_batch_tokens": args.micro_tokens, "optim": {"lr": 1e-6}, "save_every": 0,
                     "keep_checkpoints": 1, "trajectories_per_step_saved": 0, "weight_sync": sync,
-                    "async_rollout": mode in ("async", "partial"), "max_staleness": 1},
+                    "async_rollout": mode in ("async", "partial", "carry"), "max_staleness": 1,
+                    "carry_over": 1 if mode == "carry" else 0},
         "logging": {"sinks": [], "progress": "off"},
         "output_dir": str(out / f"run-{mode}")}))
     return load_config(str(cfg_file), [])
@@ -230,10 +236,12 @@ async def rl_phase(model_dir: Path, data: Path, args: argparse.Namespace, mode: 
            "max_staleness_seen": max(m["async/staleness"] for m in history),
            "token_staleness_mean": mean("staleness/token_mean"),
            "interrupted_turns_per_step": mean("partial/interrupted_turns"),
+           "carried_groups_per_step": mean("carry/groups_in"),
            "checks": {"engine_matches_trainer_rel": worst, "sticky": sticky,
                       "trajectories": len(trajectories)},
            "per_step": [{k: v for k, v in m.items()
-                         if k.startswith(("time/", "throughput/", "straggler/", "async/", "staleness/", "partial/"))}
+                         if k.startswith(("time/", "throughput/", "straggler/", "async/", "staleness/", "partial/",
+                                                         "carry/"))}
                         for m in history]}
     print(f"[{mode}] {out['step_s']:.2f} s/step (rollout {out['rollout_s']:.2f}, wait {out['wait_rollout_s']:.2f}, "
           f"update {out['update_s']:.2f}, sync {out['sync_s']:.2f}); weights {out['weight_sync']}", flush=True)
@@ -251,17 +259,20 @@ def table(report: dict[str, Any]) -> str:
         lines += [f"| FSDP2 1 GPU: step / tokens/s | {s['ranks1']['step_s']:.3f} s / {s['ranks1']['tokens_per_s']:,.0f} |",
                   f"| FSDP2 2 GPUs: step / tokens/s | {s['ranks2']['step_s']:.3f} s / {s['ranks2']['tokens_per_s']:,.0f} |",
                   f"| scaling (2 GPUs vs 1) | {s['speedup']:.2f}x ({100 * s['scaling_efficiency']:.0f}% efficiency) |"]
-    for mode in ("sync", "async", "partial"):
+    for mode in ("sync", "async", "partial", "carry"):
         r = report.get(f"split_{mode}")
         if r:
             lines += [f"| split {mode}: step time | {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f}, trainer waits "
                       f"{r['wait_rollout_s']:.2f}, update {r['update_s']:.2f}, sync {r['sync_s']:.2f}) |",
                       f"| split {mode}: policy tokens/s per step | {r['policy_tokens_per_step_s']:,.0f} |",
                       f"| split {mode}: straggler tail (last - p50) / last | {r['straggler_tail_frac']:.2f} |"]
-            if mode == "partial":
-                lines.append(f"| split partial: interrupted turns per step, token staleness | "
+            if mode in ("partial", "carry"):
+                lines.append(f"| split {mode}: interrupted turns per step, token staleness | "
                              f"{r['interrupted_turns_per_step']:.1f}, {r['token_staleness_mean']:.2f} |")
-    for mode in ("async", "partial"):
+            if mode == "carry":
+                lines.append(f"| split carry: groups carried into a later batch per step | "
+                             f"{r['carried_groups_per_step']:.2f} |")
+    for mode in ("async", "partial", "carry"):
         if report.get("split_sync") and report.get(f"split_{mode}"):
             lines.append(f"| {mode} vs sync step time | "
                          f"{report['split_sync']['step_s'] / report[f'split_{mode}']['step_s']:.2f}x |")
@@ -272,12 +283,13 @@ def checks(report: dict[str, Any], max_staleness: int) -> dict[str, bool]:
     out = {}
     if "scaling" in report:
         out["fsdp_1_vs_2_objective_agrees"] = report["scaling"]["objective_rel_diff"] < 2e-2
-    for mode in ("sync", "async", "partial"):
+    for mode in ("sync", "async", "partial", "carry"):
         r = report.get(f"split_{mode}")
         if r:
             out[f"{mode}_engine_holds_trainer_weights"] = r["checks"]["engine_matches_trainer_rel"] < 1e-2
             out[f"{mode}_trajectories_sticky"] = r["checks"]["sticky"]
-            out[f"{mode}_staleness_bounded"] = r["max_staleness_seen"] <= (max_staleness if mode != "sync" else 0)
+            bound = {"sync": 0, "carry": max_staleness + 1}.get(mode, max_staleness)   # carry_over=1
+            out[f"{mode}_staleness_bounded"] = r["max_staleness_seen"] <= bound
     return out
 
 
@@ -292,8 +304,8 @@ async def main(args: argparse.Namespace) -> int:
     ray.init(include_dashboard=False, log_to_driver=True)
     model_dir = build_model(args.out, args.tokenizer, args.model)
     data = args.out / "rows.jsonl"
-    write_rows(data, args.prompts * args.steps, 0)
-    phases = [p for p in ("scaling", "sync", "async", "partial") if args.phase in ("all", p)]
+    write_rows(data, args.prompts * args.steps, 0, args.user_delay)
+    phases = [p for p in ("scaling", "sync", "async", "partial", "carry") if args.phase in ("all", p)]
     for phase in phases:
         if time.perf_counter() - start > args.budget_s:
             report["errors"][phase] = f"skipped: past the {args.budget_s:.0f} s budget"
@@ -330,7 +342,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ray_scale")))
     p.add_argument("--tokenizer", type=Path, required=True, help="a model dir with the SmolLM2 tokenizer")
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    p.add_argument("--phase", choices=["all", "scaling", "sync", "async", "partial"], default="all")
+    p.add_argument("--phase", choices=["all", "scaling", "sync", "async", "partial", "carry"], default="all")
     p.add_argument("--steps", type=int, default=5, help="RL steps per mode (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4)
@@ -341,6 +353,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-sync", default="broadcast", choices=["broadcast", "object_store"])
     p.add_argument("--fast", choices=["auto", "on", "off"], default="auto",
                    help="engine.fast: turnrl's fast hf engine (auto: on GPUs) or plain transformers decoding")
+    p.add_argument("--user-delay", type=float, default=0.0,
+                   help="seconds each simulated-user reply takes (the event loop runs on meanwhile)")
     p.add_argument("--cpu", action="store_true", help="a smoke test of this script without GPUs (use --model tiny)")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip phases that would start after this")
     return p.parse_args(argv)

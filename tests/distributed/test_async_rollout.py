@@ -72,3 +72,70 @@ def test_pipelining_hides_the_update_time():
     finally:
         loop.close()
     assert pipelined < sync * 0.8
+
+
+# -- carry-over: batches close at `want` finished groups; the rest run on into later batches ---------------------
+def simulate_carry(steps: int, want: int, staleness: int, carry: int, duration, update_s: float = 0.02):
+    """The trainer's use of CarryPool under the Pipeline; per step, the (batch, index, version) of its groups."""
+    from turnrl.distributed.async_rollout import CarryPool
+
+    async def main():
+        pool = CarryPool(want, carry)
+
+        async def group(batch, i):
+            await asyncio.sleep(duration(batch, i))
+            return batch, i
+
+        async def launch(batch, version):
+            for i in range(want):
+                pool.add(batch, version, group(batch, i))
+            return await pool.take(batch)
+
+        pipe = Pipeline(launch, 0, steps, staleness)
+        trained = []
+        for step in range(steps):
+            groups, _ = await pipe.take(step)
+            trained.append([(*g.task.result(), g.version) for g in groups])
+            await asyncio.sleep(update_s)
+            pipe.synced(step + 1)
+        await pipe.close()
+        await pool.close()
+        return trained
+    return asyncio.run(main())
+
+
+def straggler(batch, i):
+    return 0.4 if i == 0 else 0.01 * (i + 1)       # group 0 of every batch is slow
+
+
+@pytest.mark.parametrize("carry", [1, 2])
+def test_every_group_trains_once_within_carry_batches_and_the_staleness_bound(carry):
+    steps, want = 5, 4
+    trained = simulate_carry(steps, want, 1, carry, straggler)
+    assert [len(groups) for groups in trained] == [want] * steps
+    every = [(b, i) for groups in trained for b, i, _ in groups]
+    assert sorted(every) == [(b, i) for b in range(steps) for i in range(want)]      # each exactly once
+    for step, groups in enumerate(trained):
+        for batch, _, version in groups:
+            assert step - batch <= carry and 0 <= step - version <= 1 + carry
+
+
+def test_a_batch_closes_without_its_straggler_which_the_batch_after_must_take():
+    trained = simulate_carry(4, 4, 1, 1, straggler)
+    for step, groups in enumerate(trained[:-1]):
+        mine = [(b, i) for b, i, _ in groups]
+        assert (step, 0) not in mine                                  # not waited for
+        assert step == 0 or (step - 1, 0) in mine                     # carried once, then forced
+        assert any(b == step + 1 for b, _ in mine)                    # quick groups launched ahead fill the batch
+
+
+def test_without_carry_over_a_batch_waits_for_all_its_groups():
+    trained = simulate_carry(3, 4, 1, 0, straggler)
+    assert [sorted((b, i) for b, i, _ in groups) for groups in trained] == \
+        [[(s, i) for i in range(4)] for s in range(3)]
+
+
+def test_a_carry_pool_needs_a_positive_batch():
+    from turnrl.distributed.async_rollout import CarryPool
+    with pytest.raises(ValueError, match="want >= 1"):
+        CarryPool(0, 1)

@@ -323,3 +323,43 @@ def test_partial_rollouts_without_async_are_refused(tmp_path):
     from turnrl.train.trainer import Trainer
     with pytest.raises(ValueError, match="partial_rollout.*async_rollout"):
         Trainer(load_config(None, ["engine.partial_rollout=true", f"output_dir={tmp_path}"]))
+
+
+def test_carry_over_closes_batches_before_their_straggler_and_trains_every_group_once(ray_local, tmp_path):
+    """`trainer.carry_over=1` with partial rollouts: the first prompt of every batch waits 2 s on its simulated
+    user. Batches close at prompts_per_step finished groups, so the straggler trains one step later (carried),
+    quick groups of the next batch fill the gap; every group trains exactly once, all n samples together, and no
+    token is more than max_staleness + carry_over versions old."""
+    import json
+
+    from turnrl.distributed.trainer import DistributedTrainer
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}."}],
+                                "interaction": {"name": "slow", "delay": 2.0 if i % 2 == 0 else 0.0}}) + "\n")
+    steps = 3
+    cfg = tiny_config(tmp_path / "run", f"trainer.steps={steps}", "trainer.async_rollout=true", "algo.tis_cap=2.0",
+                      "trainer.carry_over=1", "engine.partial_rollout=true", f"data.train.path={rows}",
+                      "data.train.task=null", "data.shuffle=false", "rollout.max_user_turns=2",
+                      f"rollout.interactions=[{{name: slow, class_name: '{REWARD}:SlowUser'}}]")
+    history = asyncio.run(DistributedTrainer(cfg).run())
+    assert [m["trajectories"] for m in history] == [6] * steps                     # 2 groups x 3 samples
+    assert sum(m["carry/groups_in"] for m in history) >= 1 and sum(m["carry/groups_ahead"] for m in history) >= 1
+    assert all(m["async/staleness"] <= 2 and m["staleness/token_max"] <= 2 for m in history)
+    seen: dict[str, list[int]] = {}
+    for traj, extra in read_trajectories(tmp_path / "run" / "trajectories.jsonl"):
+        seen.setdefault(traj.group_id, []).append(extra["step"])
+        assert extra["step"] - 1 - traj.policy_version <= 2
+    assert len(seen) == 2 * steps and all(len(s) == 3 and len(set(s)) == 1 for s in seen.values())
+
+
+def test_carry_over_needs_async_rollouts_and_no_dynamic_sampling(tmp_path):
+    from turnrl.config import ConfigError
+    from turnrl.distributed.trainer import check_supported
+    with pytest.raises(ConfigError, match="carry_over.*async_rollout"):
+        load_config(None, ["trainer.carry_over=1", "trainer.placement=split"])
+    cfg = load_config(None, ["trainer.carry_over=1", "trainer.placement=split", "trainer.async_rollout=true",
+                             "algo.tis_cap=2.0", "algo.filter_groups.enable=true"])
+    with pytest.raises(ValueError, match="carry_over.*filter_groups"):
+        check_supported(cfg)

@@ -494,6 +494,8 @@ class TrainerConfig:
     weight_sync: Literal["auto", "object_store", "broadcast", "ipc"] = "auto"
     async_rollout: bool = False          # engines sample step k+1 while the trainer updates on step k
     max_staleness: int = 1               # async: a batch trains at most this many policy versions after sampling
+    carry_over: int = 0                  # async: a batch closes once prompts_per_step groups finished; the rest
+    #                                      run on into the next batches, at most this many (staleness + this)
 
     def validate(self) -> None:
         _positive("steps", self.steps)
@@ -508,6 +510,10 @@ class TrainerConfig:
         _positive("ranks", self.ranks, allow_zero=True)
         _positive("cpus_per_actor", self.cpus_per_actor)
         _positive("max_staleness", self.max_staleness, allow_zero=True)
+        _positive("carry_over", self.carry_over, allow_zero=True)
+        if self.carry_over and not self.async_rollout:
+            raise ConfigError("'carry_over' lets groups run on while the trainer updates: set 'async_rollout: true' "
+                              "(placement split) or 'carry_over: 0'.")
         _positive("max_masked_steps", self.max_masked_steps, allow_zero=True)
         if self.packing and self.placement != "local":
             raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "

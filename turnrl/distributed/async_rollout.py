@@ -20,6 +20,8 @@ Data order does not depend on the mode: batch b always gets the b-th slice of th
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -65,3 +67,76 @@ class Pipeline(Generic[T]):
             task.cancel()
         await asyncio.gather(*(task for task, _ in self.pending.values()), return_exceptions=True)
         self.pending.clear()
+
+
+@dataclass
+class Group(Generic[T]):
+    """One prompt's samples, launched for `batch` on engine weights `version`; `finished_at` once done."""
+    batch: int
+    version: int
+    task: asyncio.Task
+    index: int = 0                   # launch order within the run
+    finished_at: float | None = None
+
+
+class CarryPool(Generic[T]):
+    """Batches that close before their slowest groups finish (`trainer.carry_over`).
+
+    Every batch launches its `want` groups (with the staleness bound, batches up to max_staleness ahead are
+    running). Batch b takes the first `want` groups to finish among all launched and not yet taken, its own, an
+    earlier batch's or a later one's, but every group launched for batch b - carry or earlier first: a group is
+    carried into at most `carry` later batches, and the last of them waits for it. So a batch no longer waits
+    for its slowest trajectories unless they are `carry` batches old; with partial rollouts they go on with the
+    newest weights meanwhile. A group launched on weights v for batch j trains at step <= j + carry, so at most
+    max_staleness + carry versions late. A batch is taken only after the one before it: no group is taken twice.
+    """
+
+    def __init__(self, want: int, carry: int, start: int = 0):
+        if want < 1 or carry < 0:
+            raise ValueError(f"a carry pool needs want >= 1 and carry >= 0, got {want} and {carry}")
+        self.want, self.carry = want, carry
+        self.groups: list[Group[T]] = []
+        self.taken = start - 1           # the last batch taken
+        self.changed = asyncio.Event()
+        self.launched = 0
+
+    def add(self, batch: int, version: int, coroutine: Awaitable[T]) -> Group[T]:
+        group: Group[T] = Group(batch, version, asyncio.ensure_future(coroutine), self.launched)
+        self.launched += 1
+        group.task.add_done_callback(lambda _: self._finished(group))
+        self.groups.append(group)
+        return group
+
+    def _finished(self, group: Group[T]) -> None:
+        group.finished_at = time.perf_counter()
+        self.changed.set()
+
+    def _ready(self, batch: int) -> list[Group[T]] | None:
+        forced = [g for g in self.groups if g.batch <= batch - self.carry]
+        finished = sorted((g for g in self.groups if g.finished_at is not None),
+                          key=lambda g: (g.finished_at, g.index))
+        if any(g.finished_at is None for g in forced) or len(finished) < min(self.want, len(self.groups)):
+            return None
+        rest = [g for g in finished if g.batch > batch - self.carry]
+        return forced + rest[:max(0, self.want - len(forced))]
+
+    async def take(self, batch: int) -> list[Group[T]]:
+        """The groups batch `batch` trains on (results via `group.task.result()`), once it may close."""
+        while self.taken < batch - 1 or (picked := self._ready(batch)) is None:
+            self.changed.clear()
+            await self.changed.wait()
+        chosen = {id(g) for g in picked}
+        self.groups = [g for g in self.groups if id(g) not in chosen]
+        self.taken = batch
+        self.changed.set()
+        return picked
+
+    def carried(self, batch: int) -> int:
+        """Groups launched for `batch` or earlier and not yet taken."""
+        return sum(g.batch <= batch for g in self.groups)
+
+    async def close(self) -> None:
+        for g in self.groups:
+            g.task.cancel()
+        await asyncio.gather(*(g.task for g in self.groups), return_exceptions=True)
+        self.groups.clear()

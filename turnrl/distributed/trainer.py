@@ -28,7 +28,7 @@ import torch
 from turnrl.config import Config, to_dict
 from turnrl.data import Task
 from turnrl.distributed import placement as place
-from turnrl.distributed.async_rollout import Pipeline
+from turnrl.distributed.async_rollout import CarryPool, Pipeline
 from turnrl.distributed.balance import plan_mini, plan_passes
 from turnrl.distributed.ranks import RankGroup, RankSpec, TrainRank, merge_updates
 from turnrl.distributed.replicas import EngineReplica, ReplicaPool
@@ -81,6 +81,9 @@ def check_supported(cfg: Config) -> None:
     if cfg.data.eval is not None and cfg.trainer.eval_every:
         raise ValueError(f"trainer.eval_every is not supported with trainer.placement={cfg.trainer.placement}: set "
                          "trainer.eval_every=0 and run `turnrl eval CFG --checkpoint DIR` on a saved checkpoint")
+    if cfg.trainer.carry_over and cfg.algo.filter_groups.enable:
+        raise ValueError("trainer.carry_over closes a batch at data.prompts_per_step finished groups; dynamic sampling "
+                         "(algo.filter_groups.enable) draws groups until enough have signal: use one or the other")
     if cfg.trainer.async_rollout and cfg.algo.tis_cap is None and cfg.algo.correction.is_level is None:
         raise ValueError("trainer.async_rollout trains on samples of older policies: set algo.tis_cap (e.g. 2.0) or "
                          "algo.correction.is_level (token or sequence) so each token is importance-weighted by "
@@ -131,6 +134,8 @@ class DistributedTrainer:
         transport = resolve_transport(t.weight_sync, t.placement, gpu)
         self.sync = WeightSync(transport, self.ranks, self.pool, "nccl" if gpu else "gloo")
         self.staleness = t.max_staleness if t.async_rollout else 0
+        self.carry: CarryPool[Rollout] | None = None   # with trainer.carry_over, made when the run starts
+        self.launched_at: dict[int, float] = {}
         self.rewards = reward_functions(cfg, RolloutContext(self.router, self.template, self.env, cfg.rollout,
                                                             cfg.seed))
         self.step_inputs = StepInputs(self.settings, self.template.tokenizer.pad_token_id or 0, torch.device("cpu"),
@@ -166,6 +171,9 @@ class DistributedTrainer:
         record = StepRecord(self.cfg, self.out, self.logger)
         try:
             await self.start()
+            t = self.cfg.trainer
+            if t.async_rollout and t.carry_over:
+                self.carry = CarryPool(self.cfg.data.prompts_per_step, t.carry_over, self.start_step)
             pipe: Pipeline[Rollout] = Pipeline(self._launch, self.start_step, steps, self.staleness)
             try:
                 for step in range(self.start_step, steps):
@@ -179,12 +187,15 @@ class DistributedTrainer:
                     await self.sync.push(step + 1)
                     pipe.synced(step + 1)
                     metrics.update({"time/sync_s": time.perf_counter() - t0, "time/wait_rollout_s": t_wait,
-                                    "async/staleness": float(step - version), "async/in_flight": float(pipe.in_flight),
+                                    "async/staleness": float(step - min(version, rollout.version)),
+                                    "async/in_flight": float(pipe.in_flight),
                                     "time/step_s": time.perf_counter() - t_step})
                     if record.add(step + 1, metrics):
                         await self.save(step + 1, self.positions.get(step + 1, self.data.position))
             finally:
                 await pipe.close()
+                if self.carry is not None:
+                    await self.carry.close()
         finally:
             self.logger.close()
             await self.close()
@@ -193,6 +204,8 @@ class DistributedTrainer:
     async def _launch(self, batch: int, version: int) -> Rollout:
         position = self.data.position
         self.positions[batch] = position
+        if self.carry is not None:
+            return await self._launch_carried(batch, version, position)
         rounds: list[Rollout] = []
 
         async def sample(prompts: int) -> list[Trajectory]:
@@ -202,23 +215,42 @@ class DistributedTrainer:
         return Rollout(trajs, version, position, sum(r.seconds for r in rounds),
                        [s for r in rounds for s in r.finish_s], sum(r.reward_s for r in rounds), sampling)
 
-    async def rollout(self, tasks: list[Task], n: int, batch: int, version: int, position: int = 0) -> Rollout:
+    async def _launch_carried(self, batch: int, version: int, position: int) -> Rollout:
+        """Batch `batch` with `trainer.carry_over`: its groups join the pool one by one, and the batch trains on
+        the first `prompts_per_step` to finish (`CarryPool`); finish times count from this batch's launch."""
+        assert self.carry is not None
+        self.launched_at[batch] = start = time.perf_counter()
+        for task in self.data.take(self.cfg.data.prompts_per_step):
+            self.carry.add(batch, version, self.rollout([task], self.cfg.rollout.n, batch, version, position,
+                                                        progress="off"))
+        groups = await self.carry.take(batch)
+        closed = time.perf_counter()
+        parts = [(g, g.task.result()) for g in groups]
+        finish = [max(0.0, self.launched_at[g.batch] + f - start) for g, r in parts for f in r.finish_s]
+        return Rollout([t for _, r in parts for t in r.trajectories], min(g.version for g in groups), position,
+                       closed - start, finish, sum(r.reward_s for _, r in parts),
+                       {"carry/groups_in": float(sum(g.batch < batch for g in groups)),
+                        "carry/groups_ahead": float(sum(g.batch > batch for g in groups)),
+                        "carry/groups_out": float(self.carry.carried(batch))})
+
+    async def rollout(self, tasks: list[Task], n: int, batch: int, version: int, position: int = 0,
+                      progress: str | None = None) -> Rollout:
         """Batch `batch` of trajectories through the router, scored; each records the replica of every turn."""
         cfg = self.cfg
         seed = rollout_seed(cfg.seed, batch)
         loop = build_loop(cfg.rollout, self.router, self.template, self.env, seed, None, policy_version=version)
-        progress = Progress(len(tasks) * n, f"rollout {batch}", cfg.logging.progress,
-                            in_flight=lambda: self.router.in_flight)
+        bar = Progress(len(tasks) * n, f"rollout {batch}", progress or cfg.logging.progress,
+                       in_flight=lambda: self.router.in_flight)
         finish: list[float] = []
         start = time.perf_counter()
 
         def done(traj: Trajectory) -> None:
             finish.append(time.perf_counter() - start)
-            progress.update(1, tokens=traj.n_tokens(Source.POLICY))
+            bar.update(1, tokens=traj.n_tokens(Source.POLICY))
         try:
             trajs = await run_batch(loop, tasks, n, cfg.rollout.concurrency, done)
         finally:
-            progress.close()
+            bar.close()
         seconds = time.perf_counter() - start
         where = self.router.pop_sessions(session_key(seed, t.group_id, t.sample_index) for t in trajs)
         for traj in trajs:
