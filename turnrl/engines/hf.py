@@ -24,6 +24,7 @@ import torch
 
 from turnrl.engines.base import Capabilities, Completion, Delta, EngineError, Sampling
 from turnrl.engines.cpu_attention import use_decode_attention
+from turnrl.engines.cpu_head import use_skinny_head
 from turnrl.engines.prefix_cache import Entry, PrefixCache
 from turnrl.engines.worker import Listener, WorkerEngine, stream_through
 
@@ -113,6 +114,7 @@ class HFEngine(WorkerEngine):
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
         if self.device.type == "cpu":
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
+            use_skinny_head(self.model)       # and linear is slow for a decode step's few rows of logits
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
         self.partial_rollout = partial_rollout
