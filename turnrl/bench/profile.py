@@ -52,32 +52,27 @@ def breakdown(kernels: Iterable[Kernel], wall_s: float, top: int = 25) -> dict[s
     """Device seconds per category and the `top` kernels by time; `busy_fraction` = kernel time / wall."""
     kernels = sorted(kernels, key=lambda k: k.seconds, reverse=True)
     total = sum(k.seconds for k in kernels)
-    by_category: dict[str, float] = {}
+    sums: dict[str, float] = {}
     for k in kernels:
-        by_category[category(k.name)] = by_category.get(category(k.name), 0.0) + k.seconds
+        sums[category(k.name)] = sums.get(category(k.name), 0.0) + k.seconds
+    by_category = dict(sorted(sums.items(), key=lambda kv: -kv[1]))
     return {"wall_s": wall_s, "kernel_s": total, "busy_fraction": total / wall_s if wall_s > 0 else None,
-            "by_category_s": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-            "by_category_fraction": {c: s / total for c, s in sorted(by_category.items(), key=lambda kv: -kv[1])}
-            if total > 0 else {},
+            "by_category_s": by_category,
+            "by_category_fraction": {c: s / total for c, s in by_category.items()} if total > 0 else {},
             "top": [{"name": k.name[:160], "category": category(k.name), "calls": k.calls, "s": k.seconds,
                      "fraction": k.seconds / total if total else None} for k in kernels[:top]]}
 
 
 def _kernels(prof: Any, device: torch.device) -> list[Kernel]:
+    """Device-side rows on CUDA (kernels, copies; not the CPU ops that launched them again), CPU ops' self time
+    elsewhere."""
     out = []
     for e in prof.key_averages():
-        if device.type == "cuda":
-            # device-side rows only (kernels, copies): the CPU ops that launched them are not counted again
-            if getattr(e, "device_type", None) != DeviceType.CUDA:
-                continue
-            seconds = getattr(e, "self_device_time_total", 0.0) / 1e6
-            if seconds <= 0:
-                continue
-        else:
-            seconds = e.self_cpu_time_total / 1e6
-            if seconds <= 0:
-                continue
-        out.append(Kernel(e.key, int(e.count), float(seconds)))
+        if device.type == "cuda" and getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        seconds = (getattr(e, "self_device_time_total", 0.0) if device.type == "cuda" else e.self_cpu_time_total) / 1e6
+        if seconds > 0:
+            out.append(Kernel(e.key, int(e.count), float(seconds)))
     return out
 
 

@@ -71,11 +71,12 @@ class Pipeline(Generic[T]):
 
 @dataclass
 class Group(Generic[T]):
-    """One prompt's samples, launched for `batch` on engine weights `version`; `finished_at` once done."""
+    """One prompt's samples, launched for `batch` on engine weights `version` at `started_at`; `finished_at`
+    once done (both perf_counter seconds)."""
     batch: int
     version: int
     task: asyncio.Task
-    index: int = 0                   # launch order within the run
+    started_at: float
     finished_at: float | None = None
 
 
@@ -98,11 +99,9 @@ class CarryPool(Generic[T]):
         self.groups: list[Group[T]] = []
         self.taken = start - 1           # the last batch taken
         self.changed = asyncio.Event()
-        self.launched = 0
 
     def add(self, batch: int, version: int, coroutine: Awaitable[T]) -> Group[T]:
-        group: Group[T] = Group(batch, version, asyncio.ensure_future(coroutine), self.launched)
-        self.launched += 1
+        group: Group[T] = Group(batch, version, asyncio.ensure_future(coroutine), time.perf_counter())
         group.task.add_done_callback(lambda _: self._finished(group))
         self.groups.append(group)
         return group
@@ -113,8 +112,8 @@ class CarryPool(Generic[T]):
 
     def _ready(self, batch: int) -> list[Group[T]] | None:
         forced = [g for g in self.groups if g.batch <= batch - self.carry]
-        finished = sorted((g for g in self.groups if g.finished_at is not None),
-                          key=lambda g: (g.finished_at, g.index))
+        # groups are kept in launch order and the sort is stable: ties go to the earlier launch
+        finished = sorted((g for g in self.groups if g.finished_at is not None), key=lambda g: g.finished_at)
         if any(g.finished_at is None for g in forced) or len(finished) < min(self.want, len(self.groups)):
             return None
         rest = [g for g in finished if g.batch > batch - self.carry]

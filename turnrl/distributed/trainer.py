@@ -135,7 +135,6 @@ class DistributedTrainer:
         self.sync = WeightSync(transport, self.ranks, self.pool, "nccl" if gpu else "gloo")
         self.staleness = t.max_staleness if t.async_rollout else 0
         self.carry: CarryPool[Rollout] | None = None   # with trainer.carry_over, made when the run starts
-        self.launched_at: dict[int, float] = {}
         self.rewards = reward_functions(cfg, RolloutContext(self.router, self.template, self.env, cfg.rollout,
                                                             cfg.seed))
         self.step_inputs = StepInputs(self.settings, self.template.tokenizer.pad_token_id or 0, torch.device("cpu"),
@@ -187,7 +186,7 @@ class DistributedTrainer:
                     await self.sync.push(step + 1)
                     pipe.synced(step + 1)
                     metrics.update({"time/sync_s": time.perf_counter() - t0, "time/wait_rollout_s": t_wait,
-                                    "async/staleness": float(step - min(version, rollout.version)),
+                                    "async/staleness": float(step - rollout.version),
                                     "async/in_flight": float(pipe.in_flight),
                                     "time/step_s": time.perf_counter() - t_step})
                     if record.add(step + 1, metrics):
@@ -219,14 +218,14 @@ class DistributedTrainer:
         """Batch `batch` with `trainer.carry_over`: its groups join the pool one by one, and the batch trains on
         the first `prompts_per_step` to finish (`CarryPool`); finish times count from this batch's launch."""
         assert self.carry is not None
-        self.launched_at[batch] = start = time.perf_counter()
+        start = time.perf_counter()
         for task in self.data.take(self.cfg.data.prompts_per_step):
             self.carry.add(batch, version, self.rollout([task], self.cfg.rollout.n, batch, version, position,
                                                         progress="off"))
         groups = await self.carry.take(batch)
         closed = time.perf_counter()
         parts = [(g, g.task.result()) for g in groups]
-        finish = [max(0.0, self.launched_at[g.batch] + f - start) for g, r in parts for f in r.finish_s]
+        finish = [max(0.0, g.started_at + f - start) for g, r in parts for f in r.finish_s]
         return Rollout([t for _, r in parts for t in r.trajectories], min(g.version for g in groups), position,
                        closed - start, finish, sum(r.reward_s for _, r in parts),
                        {"carry/groups_in": float(sum(g.batch < batch for g in groups)),
