@@ -61,8 +61,8 @@ def main() -> None:
         if split_keys < block_n:
             continue
         def call():
-            return attention_kernel.decode_attention(q, keys, values, pos, n_kv, 0.125, block_n, split_keys,
-                                                     warps, stages)
+            return attention_kernel.decode_attention(q, keys, values, pos, n_kv, 0.125, block_n=block_n,
+                                                     split_keys=split_keys, warps=warps, stages=stages)
         try:
             error = (call().float() - want.float()).abs().max().item()
             rows.append({"variant": "kernel", "block_n": block_n, "split_keys": split_keys, "warps": warps,

@@ -141,7 +141,12 @@ def test_more_requests_than_slots_reuse_freed_slots(torch_threads):
     try:
         requests = [(p + [i], Sampling(max_tokens=3 + 2 * i, temperature=1.0, seed=i))
                     for i, p in enumerate(PROMPTS * 2)]
+        before = dict(engine.stats)
         together = generate(engine, *requests)
+        stats = {k: v - before[k] for k, v in engine.stats.items() if k in before}
+        assert stats["requests"] == len(requests)     # two slots: admitted over several admissions
+        assert 2 <= stats["admissions"] <= len(requests)
+        assert 0 < stats["admit_s"] < stats["busy_s"] and 0 <= stats["wait_s"] < stats["busy_s"]
         for request, out in zip(requests, together):
             assert out.token_ids == generate(engine, request)[0].token_ids
             assert len(out.token_ids) == request[1].max_tokens and out.finish_reason == "length"
@@ -356,3 +361,26 @@ def test_gpu_seeded_samples_ignore_the_batch_and_weights_update_under_graphs():
         assert engine.stats["graph_replays"] > 0
     finally:
         asyncio.run(engine.close())
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_rotary_inside_the_kernels_decodes_as_a_rotary_kernel_does():
+    """bf16 on CUDA: the rotary embedding runs inside the cache-write and attention kernels by default; the
+    tokens it samples have the logprobs of a full forward pass, as with the rotary in its own kernel."""
+    model = shape_model(torch.bfloat16)
+    inside = FastEngine("", device="cuda", dtype="bfloat16", model=model, max_batch_size=16, max_len=256)
+    apart = FastEngine("", device="cuda", dtype="bfloat16", model=model, max_batch_size=16, max_len=256,
+                       fused_rope=False)
+    try:
+        assert inside.step.fused_rope and not apart.step.fused_rope and not inside.notes
+        for engine in (inside, apart):
+            for out, (prompt, sampling) in zip(generate(engine, *gpu_requests()), gpu_requests()):
+                with torch.no_grad():
+                    ids = torch.tensor([prompt + out.token_ids], device="cuda")
+                    logits = model(ids).logits[0, len(prompt) - 1:-1].float() / (sampling.temperature or 1.0)
+                chosen = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+                assert (chosen.cpu() - torch.tensor(out.logprobs)).abs().max() < 0.15   # bf16 kernels differ
+    finally:
+        asyncio.run(inside.close())
+        asyncio.run(apart.close())

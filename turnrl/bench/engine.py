@@ -10,6 +10,8 @@ config dict, no download; or any model spec). Variants, each timed after a warm-
 - `fast-compile`: the same with torch.compile on the layers' pure pieces and the Triton sampling kernels
   (`engines/fast/sample_kernel.py`): the engine's default on CUDA;
 - `fast-torch-sampling`: `fast-compile` with the torch sampler instead of the kernels (what they save);
+- `fast-torch-rope`: `fast-compile` with the rotary embedding in its own compiled kernel instead of inside the
+  cache-write and attention kernels (what that saves);
 - `fast-exact`: the fast engine with engine.exact (batch-invariant forward of turnrl/exact, CUDA graphs, eager).
 The warm-up is the same request set (the fast engines: the whole run once, so that every batch and cache
 bucket of the timed run has its graph; the HF engine: 8 new tokens); graph capture and compilation stay out
@@ -37,7 +39,7 @@ from turnrl.bench.common import machine_info
 from turnrl.engines.base import Sampling
 from turnrl.engines.hf import resolve_device
 
-VARIANTS = ("generate", "hf", "fast", "fast-compile", "fast-torch-sampling", "fast-exact")
+VARIANTS = ("generate", "hf", "fast", "fast-compile", "fast-torch-sampling", "fast-torch-rope", "fast-exact")
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}       # bytes/s, vendor datasheets
 PEAK_FLOPS = {"H200": 790e12, "H100": 790e12}                # bf16 dense matmul measured on the lent H200
 
@@ -81,6 +83,7 @@ def bench_engine(spec: str, batch: int, prompt: int, new: int, variants: list[st
     runners = {"generate": _generate, "hf": _hf_engine, "fast": lambda *a: _fast_engine(*a, compile=False),
                "fast-compile": lambda *a: _fast_engine(*a, compile=True),
                "fast-torch-sampling": lambda *a: _fast_engine(*a, compile=True, fused_sampling=False),
+               "fast-torch-rope": lambda *a: _fast_engine(*a, compile=True, fused_rope=False),
                "fast-exact": lambda *a: _fast_engine(*a, compile=False, exact=True)}
     for name in variants:
         start = time.perf_counter()
@@ -160,13 +163,14 @@ def _hf_engine(model: Any, prompts: list[list[int]], new: int, dev: torch.device
 
 
 def _fast_engine(model: Any, prompts: list[list[int]], new: int, dev: torch.device, seed: int,
-                 compile: bool, exact: bool = False, fused_sampling: bool | None = None) -> dict[str, Any]:
+                 compile: bool, exact: bool = False, fused_sampling: bool | None = None,
+                 fused_rope: bool | None = None) -> dict[str, Any]:
     from turnrl.engines.fast import FastEngine
 
     max_len = -(-(len(prompts[0]) + new) // 128) * 128
     engine = FastEngine("", device=str(dev), dtype=_dtype_name(model), max_batch_size=len(prompts), max_len=max_len,
                         model=model, compile=compile and dev.type == "cuda", cuda_graphs=dev.type == "cuda",
-                        exact=exact, fused_sampling=fused_sampling)
+                        exact=exact, fused_sampling=fused_sampling, fused_rope=fused_rope)
     try:
         return _run_engine(engine, prompts, new, dev, seed, warm_new=new)
     finally:

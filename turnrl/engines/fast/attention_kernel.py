@@ -33,19 +33,29 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def split_attention(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, KV, G, D, per_split, scale,
-                        sq_b, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN: tl.constexpr):
+    def split_attention(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, m_ptr, l_ptr, acc_ptr, KV, G, D, per_split,
+                        scale, sq_b, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, SPLITS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN: tl.constexpr,
+                        ROPE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b, h = bh // KV, bh % KV
         g = tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         qmask = (g[:, None] < G) & (d[None, :] < D)
-        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + (h * G + g[:, None]) * D + d[None, :], mask=qmask, other=0.0)
+        q_rows = q_ptr + b.to(tl.int64) * sq_b + (h * G + g[:, None]) * D
+        q = tl.load(q_rows + d[None, :], mask=qmask, other=0.0)
+        at = tl.load(pos_ptr + b)
+        if ROPE:    # the query's rotary embedding at its position: float32, one rounding, as a rotary kernel
+            first = d[None, :] < D // 2
+            other = tl.load(q_rows + tl.where(first, d[None, :] + D // 2, d[None, :] - D // 2), mask=qmask,
+                            other=0.0).to(tl.float32)
+            cosine = tl.load(cos_ptr + at * D + d, mask=d < D, other=0.0).to(tl.float32)
+            sine = tl.load(sin_ptr + at * D + d, mask=d < D, other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * cosine[None, :] + tl.where(first, -other, other) * sine[None, :]).to(q.dtype)
         if WIDEN:   # the interpreter's (tests) bf16/fp16 dots are wrong: widen there
             q = q.to(tl.float32)
-        live = tl.load(pos_ptr + b) + 1                     # keys [0, pos] are visible
+        live = at + 1                                       # keys [0, pos] are visible
         start = split * per_split
         end = tl.minimum(start + per_split, live)
         top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -102,16 +112,21 @@ def splits_for(n_kv: int, split_keys: int = SPLIT_KEYS) -> int:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_kv: int,
-                     scaling: float, block_n: int = BLOCK_N, split_keys: int = SPLIT_KEYS, warps: int = WARPS,
+                     scaling: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                     block_n: int = BLOCK_N, split_keys: int | None = None, warps: int = WARPS,
                      stages: int = STAGES) -> torch.Tensor:
     """`decoder.decode_attention` in two kernels: q [B, heads, D] (last two axes contiguous) of slots [0, B),
-    keys/values [slots, kv, max_len, D], each row seeing its positions [0, pos] -> [B, heads * D]. The
-    blocking arguments are for benchmarks/decode_attention_probe.py."""
+    keys/values [slots, kv, max_len, D], each row seeing its positions [0, pos] -> [B, heads * D]. With the
+    rotary tables cos/sin [max_len, D] (contiguous), q is given unrotated and rotated at its position pos as it
+    is loaded. The blocking arguments are for benchmarks/decode_attention_probe.py."""
     batch, heads, dim = q.shape
     kv = keys.shape[1]
     group = heads // kv
+    rope = cos is not None
+    if rope and (sin is None or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != dim):
+        raise ValueError("decode_attention: cos and sin must both be given, contiguous [max_len, head_dim]")
     q = q if q.stride(-1) == 1 and q.stride(-2) == dim else q.contiguous()
-    splits = splits_for(n_kv, split_keys)
+    splits = splits_for(n_kv, split_keys or SPLIT_KEYS)   # the module's value at call time (benchmarks set it)
     per_split = -(-n_kv // splits)
     per_split = -(-per_split // block_n) * block_n
     block_m = pow2(group, 16)
@@ -124,11 +139,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if batch:
         split_attention, combine = _kernels()
         split_attention[(batch * kv, splits)](
-            q, keys, values, pos, m, total, acc, kv, group, dim, per_split, float(scaling),
+            q, keys, values, pos, cos if rope else q, sin if rope else q, m, total, acc, kv, group, dim, per_split,
+            float(scaling),
             q.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
-            SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, WIDEN=not q.is_cuda, num_warps=warps,
-            num_stages=stages)
+            SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, WIDEN=not q.is_cuda, ROPE=rope,
+            num_warps=warps, num_stages=stages)
         combine[(batch * kv,)](m, total, acc, out, kv, group, dim, out.stride(0), SPLITS=splits, BLOCK_M=block_m,
                                BLOCK_D=block_d, num_warps=4)
     return out

@@ -104,7 +104,7 @@ class FastEngine(WorkerEngine):
                  max_len: int = 4096, gather_ms: float = 5.0, seed: int = 0, model: Any = None,
                  compile: bool | None = None, cuda_graphs: bool | None = None, prefill_tokens: int = 16384,
                  max_stop_ids: int = 8, max_inflight: int = 4, exact: bool = False, prefix_cache: bool = False,
-                 partial_rollout: bool = False, fused_sampling: bool | None = None):
+                 partial_rollout: bool = False, fused_sampling: bool | None = None, fused_rope: bool | None = None):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -130,12 +130,15 @@ class FastEngine(WorkerEngine):
         if graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         self.notes: list[str] = []       # fallbacks taken (compile or capture failures), for reports
+        # host seconds of the worker: busy_s in all, admit_s of it admitting (prefill launches, state writes),
+        # wait_s of it blocked on the GPU for a status or the tokens of finished requests
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
-                      "graph_replays": 0, "graphs": 0, "busy_s": 0.0, "interrupted": 0}
+                      "graph_replays": 0, "graphs": 0, "busy_s": 0.0, "interrupted": 0, "admissions": 0,
+                      "admit_s": 0.0, "wait_s": 0.0}
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         compile = (cuda if compile is None else compile) and not exact
         self.step = DecodeStep(self.decoder, self.state, compile, graphs, self._stream, self.notes,
-                               fused_sampling)
+                               fused_sampling, fused_rope)
         # the prefix cache (slots.py): later turns continue their parked slot, groups copy a running prompt
         self.slots = SlotTable(max_batch_size, enabled=prefix_cache and not exact)
         self._cache_generation = self._cache_seen = 0   # bumped by weight updates: cached KV is stale
@@ -206,7 +209,10 @@ class FastEngine(WorkerEngine):
                         if self.partial_rollout and any(x.req.version != self.version for x in self._occupied.values()):
                             self._interrupt()
                         if fresh:
+                            admitted = time.perf_counter()
                             self._admit(fresh, reuse=not stale)
+                            self.stats["admissions"] += 1
+                            self.stats["admit_s"] += time.perf_counter() - admitted
                         if self._occupied:
                             self._decode()
                         if fresh or self._occupied:
@@ -324,12 +330,17 @@ class FastEngine(WorkerEngine):
     def _collect(self, wait: bool) -> None:
         while self._snapshots and (wait or len(self._snapshots) > self.max_inflight or self._snapshots[0].ready()):
             snap = self._snapshots.popleft()
-            snap.wait()
+            self._wait(snap)
             self._read_status(snap)
         while self._fetches and (wait or self._fetches[0].ready()):
             fetch = self._fetches.popleft()
-            fetch.wait()
+            self._wait(fetch)
             self._deliver(fetch)
+
+    def _wait(self, pending: _Pending) -> None:
+        start = time.perf_counter()
+        pending.wait()
+        self.stats["wait_s"] += time.perf_counter() - start
 
     def _read_status(self, snap: _Pending) -> None:
         status = snap.data.tolist()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from turnrl.engines.fast import attention_kernel, sample_kernel
 from turnrl.engines.fast.cache_kernel import write_kv
 from turnrl.engines.fast.decoder import (SlotDecoder, decode_attention, exact_decode_attention, head, model_logits,
-                                         post_attention, pre_attention)
+                                         post_attention, pre_attention, project_qkv, rope)
 from turnrl.engines.fast.sample_kernel import fused_sample
 from turnrl.engines.fast.sampling import sample, sample_exact, uniform
 from turnrl.exact import model as exact_model
@@ -82,7 +82,8 @@ class DecodeStep:
     """One decode step over the slot cache, eager or replayed from CUDA graphs."""
 
     def __init__(self, decoder: SlotDecoder, state: SlotState, compile: bool, graphs: bool,
-                 stream: torch.cuda.Stream | None, notes: list[str], fused_sampling: bool | None = None):
+                 stream: torch.cuda.Stream | None, notes: list[str], fused_sampling: bool | None = None,
+                 fused_rope: bool | None = None):
         self.decoder, self.state, self.notes, self.stream = decoder, state, notes, stream
         # None: the Triton sampling kernels wherever they can run (not in exact mode: its sampler is the trainer's)
         kernels = sample_kernel.available(decoder.embed.device)
@@ -94,57 +95,78 @@ class DecodeStep:
         # bf16/fp16 only: float32 keeps the torch path (a Triton dot would round float32 inputs to tf32)
         self.attention_kernel = (kernels and not decoder.exact and decoder.embed.dtype != torch.float32
                                  and self._attention_kernel_works())
+        # the rotary embedding inside those two kernels (None: wherever both run), so no rotary kernel a layer
+        can_rope = (decoder.fused_write and self.attention_kernel and self._write_kernel_works(rope=True)
+                    and self._attention_kernel_works(rope=True)) if fused_rope is not False else False
+        if fused_rope and not can_rope:
+            raise ValueError("fused rotary needs the cache-write and decode attention kernels (CUDA, Triton, "
+                             "bf16/fp16, engine.exact off)")
+        self.fused_rope = can_rope
         self.max_len = decoder.max_len
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.units = self._make_units(compile)
 
-    def _write_kernel_works(self) -> bool:
+    def _rotated(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, D] rotated at positions pos [B] in float32, rounded once (what the kernels compute)."""
+        d = self.decoder
+        return rope(x.float(), d.cos[pos][:, None].float(), d.sin[pos][:, None].float()).to(x.dtype)
+
+    def _write_kernel_works(self, rope: bool = False) -> bool:
         """The cache write's Triton kernel, built and checked once on scratch tensors against `index_put_`
-        (a failure leaves the cache writes on `index_put_`, with a note)."""
+        (a failure leaves the cache writes on `index_put_`, or the rotary in its own kernel, with a note)."""
         d = self.decoder
         try:
             device, dtype = d.embed.device, d.embed.dtype
             kv, dim = d.shape.kv_heads, d.shape.head_dim
-            keys = torch.zeros(3, kv, 8, dim, device=device, dtype=dtype)
+            length = min(8, d.max_len)              # positions inside the rotary tables too
+            keys = torch.zeros(3, kv, length, dim, device=device, dtype=dtype)
             values, expected = torch.zeros_like(keys), torch.zeros_like(keys)
             fresh = torch.randn(2, kv, 2 * dim, device=device).to(dtype)    # strided views, as the qkv slices are
-            rows, pos = torch.tensor([2, 0], device=device), torch.tensor([5, 1], device=device)
-            write_kv(fresh[..., :dim], fresh[..., dim:], keys, values, rows, pos)
-            expected[rows[:, None], torch.arange(kv, device=device)[None], pos[:, None]] = fresh[..., :dim]
-            if torch.equal(keys, expected):
+            rows, pos = torch.tensor([2, 0], device=device), torch.tensor([length - 1, 1], device=device)
+            write_kv(fresh[..., :dim], fresh[..., dim:], keys, values, rows, pos,
+                     *((d.cos, d.sin) if rope else (None, None)))
+            want = self._rotated(fresh[..., :dim], pos) if rope else fresh[..., :dim]
+            expected[rows[:, None], torch.arange(kv, device=device)[None], pos[:, None]] = want
+            # rotated: float32 arithmetic in another order may round one bf16 ulp apart
+            if torch.allclose(keys.float(), expected.float(), rtol=2 ** -7 if rope else 0, atol=0):
                 return True
             problem = "it wrote other values than index_put_"
         except Exception as exc:  # noqa: BLE001
             problem = f"{type(exc).__name__}: {str(exc)[:300]}"
-        self.notes.append(f"the cache-write kernel is off, index_put_ writes the cache: {problem}")
-        log.warning(self.notes[-1])
+        self._kernel_off("the cache-write kernel" + (" with rotary" if rope else ""), problem)
         return False
 
-    def _attention_kernel_works(self) -> bool:
+    def _attention_kernel_works(self, rope: bool = False) -> bool:
         """The split-key decode attention kernels, built and checked once on scratch tensors against the torch
-        path (a failure leaves attention in torch, with a note)."""
+        path (a failure leaves attention in torch, or the rotary in its own kernel, with a note)."""
         d = self.decoder
         try:
             device, dtype = d.embed.device, d.embed.dtype
             heads, kv, dim = d.shape.heads, d.shape.kv_heads, d.shape.head_dim
             g = torch.Generator(device=device).manual_seed(0)
-            keys = torch.randn(3, kv, 384, dim, device=device, generator=g).to(dtype)
-            values = torch.randn(3, kv, 384, dim, device=device, generator=g).to(dtype)
+            length = min(384, d.max_len)            # positions inside the rotary tables too
+            keys = torch.randn(3, kv, length, dim, device=device, generator=g).to(dtype)
+            values = torch.randn(3, kv, length, dim, device=device, generator=g).to(dtype)
             q = torch.randn(3, heads, dim, device=device, generator=g).to(dtype)
-            pos = torch.tensor([0, 200, 383], device=device)
-            got = attention_kernel.decode_attention(q, keys, values, pos, 384, d.shape.scaling)
-            want = decode_attention(q, keys, values, pos, 384, d.shape.scaling)
+            pos = torch.tensor([0, length // 2, length - 1], device=device)
+            got = attention_kernel.decode_attention(q, keys, values, pos, length, d.shape.scaling,
+                                                    *((d.cos, d.sin) if rope else (None, None)))
+            want = decode_attention(self._rotated(q, pos) if rope else q, keys, values, pos, length,
+                                    d.shape.scaling)
             error = (got.float() - want.float()).abs().max().item()
             if error < 0.05:
                 return True
             problem = f"its output differs from the torch path's by up to {error:.3g}"
         except Exception as exc:  # noqa: BLE001
             problem = f"{type(exc).__name__}: {str(exc)[:300]}"
-        self.notes.append(f"the decode attention kernel is off, attention runs in torch: {problem}")
-        log.warning(self.notes[-1])
+        self._kernel_off("the decode attention kernel" + (" with rotary" if rope else ""), problem)
         return False
+
+    def _kernel_off(self, what: str, problem: str) -> None:
+        self.notes.append(f"{what} is off, torch runs that part: {problem}")
+        log.warning(self.notes[-1])
 
     def __call__(self, batch: int, n_kv: int, truncate: bool, greedy: bool) -> str:
         """Run one step; says how: 'eager', 'replayed' or 'captured' (ran, and captured for next time)."""
@@ -174,7 +196,11 @@ class DecodeStep:
 
         exact = d.exact
 
+        fused_rope = self.fused_rope    # q and k leave unrotated: the cache write and attention kernels rotate
+
         def pre(x, w, cos, sin):
+            if fused_rope:
+                return project_qkv(x, w, shape)
             return (exact_model.pre_attention if exact else pre_attention)(x, w, cos, sin, shape)
 
         def attend(q, keys, values, pos, n_kv):
@@ -197,13 +223,16 @@ class DecodeStep:
                                       f"{type(exc).__name__}: {str(exc)[:300]}")
                     log.warning(self.notes[-1])
             return finish_step(*args)
+        rotary = (d.cos, d.sin) if fused_rope else (None, None)
+
         def kernel_attend(q, keys, values, pos, n_kv):   # split-key Triton kernels over the live positions
-            return attention_kernel.decode_attention(q, keys, values, pos, n_kv, shape.scaling)
+            return attention_kernel.decode_attention(q, keys, values, pos, n_kv, shape.scaling, *rotary)
         if not compiled or exact:   # exact: eager kernels, the trainer's (a compiler may fuse and round otherwise)
             return {"pre": pre, "attend": kernel_attend if self.attention_kernel else attend, "post": post,
                     "finish": finish}
         for table in d.keys + d.values + [d.cos, d.sin]:
             torch._dynamo.mark_static(table)      # fixed shapes: only batch and n_kv vary between steps
+        compile_prefill(d, self.notes)
         # `finish` stays eager: inductor failed on it (see the module docstring)
         return {"pre": Compiled("pre", pre, self.notes),
                 "attend": kernel_attend if self.attention_kernel else Compiled("attend", attend, self.notes),
@@ -229,12 +258,21 @@ class DecodeStep:
         s, d, u = self.state, self.decoder, self.units
         rows, pos = s.rows[:batch], s.pos[:batch]
         x = F.embedding(s.last[:batch], d.embed)
-        cos, sin = d.cos[pos][:, None], d.sin[pos][:, None]
+        cos, sin = (None, None) if self.fused_rope else (d.cos[pos][:, None], d.sin[pos][:, None])
         for i, w in enumerate(d.layers):
             q, k, v = u["pre"](x, w, cos, sin)
-            d.write(i, k, v, rows, pos)
+            d.write(i, k, v, rows, pos, rotate=self.fused_rope)
             x = u["post"](x, u["attend"](q, d.keys[i], d.values[i], pos, n_kv), w)
         return x
+
+
+def compile_prefill(decoder: SlotDecoder, notes: list[str]) -> None:
+    """The (non-exact) prefill's layer pieces through torch.compile ([rows, tokens, hidden]: graphs of their
+    own, rows and tokens dynamic). An eager prefill launches some 40 kernels a layer: on an H100 an admission
+    of 64 rows cost 13-39 ms of host time to launch (benchmarks/fast_prefix/prefill_probe.py)."""
+    shape = decoder.shape
+    decoder.prefill_pre = Compiled("prefill_pre", lambda x, w, cos, sin: pre_attention(x, w, cos, sin, shape), notes)
+    decoder.prefill_post = Compiled("prefill_post", lambda x, attn, w: post_attention(x, attn, w, shape), notes)
 
 
 class Compiled:
