@@ -6,7 +6,12 @@ offline run, where nothing competes for the GIL. This times `SlotDecoder.prefill
 of that workload, on the main thread: the wall time to launch it (host), the time until the device is done,
 and `turnrl.bench.profile`'s kernel breakdown of one call.
 
-    python benchmarks/fast_prefix/prefill_probe.py [--compile] --out prefill_probe.json          (CUDA)
+    python benchmarks/fast_prefix/prefill_probe.py --out prefill_probe.json          (CUDA)
+
+Compiling the prefill's layer pieces (torch.compile, dynamic shapes) was measured with this probe at commit
+3577c73 (`--compile`, h100_prefill_probe_compiled_2026-12-05.json): device time fell (54 x 300 tokens: 48.7 ->
+32.2 ms) but launching became as slow as the device (29.8-37.6 ms a call, the cached case 18.9 -> 37.7 ms),
+and the multi-turn run did not move, so the engine's prefill stays eager.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import torch
 from turnrl.bench.engine import build_model
 from turnrl.bench.profile import profile_call
 from turnrl.engines.fast.decoder import SlotDecoder
-from turnrl.engines.fast.step import compile_prefill
 
 # (rows, new tokens per row, cached tokens before them): a first turn's admission (prompt budget 16384 /
 # ~300-token contexts), a later turn's without the cache (whole context) and with it (the delta only)
@@ -44,15 +48,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-0.5b-shape")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--compile", action="store_true", help="the layer pieces compiled, as the engine does")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(args.model, device, torch.bfloat16)
     decoder = SlotDecoder(model, 256, 1024)
-    notes: list[str] = []
-    if args.compile:
-        compile_prefill(decoder, notes)
     vocab = model.config.vocab_size
     rows = []
     with torch.no_grad():
@@ -64,7 +64,6 @@ def main() -> None:
 
             def call():
                 return decoder.prefill(ids, lengths, slots, starts, cached + width)
-            call()                                  # compiles, with --compile
             call()
             launch, done = timed(call, args.repeats)
             prof = profile_call(call, device, top=12)
@@ -75,8 +74,7 @@ def main() -> None:
             for kernel in prof["top"][:8]:
                 print(f"    {kernel['s'] * 1e3:8.3f} ms {kernel['calls']:4d}x {kernel['name'][:90]}")
     with open(args.out, "w") as f:
-        json.dump({"benchmark": "prefill_probe", "model": args.model, "compile": args.compile, "notes": notes,
-                   "rows": rows}, f, indent=1)
+        json.dump({"benchmark": "prefill_probe", "model": args.model, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

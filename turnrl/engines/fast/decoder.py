@@ -19,7 +19,7 @@ softmax in float32), so float32 greedy decoding matches `model.generate`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -108,10 +108,6 @@ class SlotDecoder:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
         self.heads_index = torch.arange(self.shape.kv_heads, device=device)
         self.fused_write = False   # DecodeStep turns it on where the Triton kernels run
-        # the layer pieces of a (non-exact) prefill, around SDPA and the cache writes: DecodeStep puts compiled
-        # ones here where it compiles the decode step's
-        self.prefill_pre: Callable[..., Any] = lambda x, w, cos, sin: pre_attention(x, w, cos, sin, self.shape)
-        self.prefill_post: Callable[..., Any] = lambda x, attn, w: post_attention(x, attn, w, self.shape)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -133,13 +129,13 @@ class SlotDecoder:
         cos, sin = self.cos[:width][None, :, None], self.sin[:width][None, :, None]
         x = F.embedding(ids, self.embed)
         for w, keys, values in zip(self.layers, self.keys, self.values):
-            q, k, v = self.prefill_pre(x, w, cos, sin)                      # [n, T, h, D]
+            q, k, v = pre_attention(x, w, cos, sin, self.shape)            # [n, T, h, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)                     # [n, kv, T, D]
             keys[slots, :, :width] = k
             values[slots, :, :width] = v
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.shape.scaling,
                                                  enable_gqa=self.shape.heads != self.shape.kv_heads)
-            x = self.prefill_post(x, out.transpose(1, 2).reshape(n, width, -1), w)
+            x = post_attention(x, out.transpose(1, 2).reshape(n, width, -1), w, self.shape)
         last = x[torch.arange(n, device=x.device), lengths - 1]
         return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
 
@@ -156,13 +152,13 @@ class SlotDecoder:
         bias = bias.masked_fill_(~visible, float("-inf"))[:, None]
         x = F.embedding(ids, self.embed)
         for w, keys, values in zip(self.layers, self.keys, self.values):
-            q, k, v = self.prefill_pre(x, w, cos, sin)                      # [n, T, h, D]
+            q, k, v = pre_attention(x, w, cos, sin, self.shape)            # [n, T, h, D]
             keys[slots[:, None], :, positions] = k                          # padding lands past each row's end
             values[slots[:, None], :, positions] = v
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[slots, :, :total], values[slots, :, :total],
                                                  attn_mask=bias, scale=self.shape.scaling,
                                                  enable_gqa=self.shape.heads != self.shape.kv_heads)
-            x = self.prefill_post(x, out.transpose(1, 2).reshape(n, width, -1), w)
+            x = post_attention(x, out.transpose(1, 2).reshape(n, width, -1), w, self.shape)
         last = x[torch.arange(n, device=x.device), lengths - 1]
         return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
 

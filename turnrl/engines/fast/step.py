@@ -232,7 +232,6 @@ class DecodeStep:
                     "finish": finish}
         for table in d.keys + d.values + [d.cos, d.sin]:
             torch._dynamo.mark_static(table)      # fixed shapes: only batch and n_kv vary between steps
-        compile_prefill(d, self.notes)
         # `finish` stays eager: inductor failed on it (see the module docstring)
         return {"pre": Compiled("pre", pre, self.notes),
                 "attend": kernel_attend if self.attention_kernel else Compiled("attend", attend, self.notes),
@@ -264,15 +263,6 @@ class DecodeStep:
             d.write(i, k, v, rows, pos, rotate=self.fused_rope)
             x = u["post"](x, u["attend"](q, d.keys[i], d.values[i], pos, n_kv), w)
         return x
-
-
-def compile_prefill(decoder: SlotDecoder, notes: list[str]) -> None:
-    """The (non-exact) prefill's layer pieces through torch.compile ([rows, tokens, hidden]: graphs of their
-    own, rows and tokens dynamic). An eager prefill launches some 40 kernels a layer: on an H100 an admission
-    of 64 rows cost 13-39 ms of host time to launch (benchmarks/fast_prefix/prefill_probe.py)."""
-    shape = decoder.shape
-    decoder.prefill_pre = Compiled("prefill_pre", lambda x, w, cos, sin: pre_attention(x, w, cos, sin, shape), notes)
-    decoder.prefill_post = Compiled("prefill_post", lambda x, attn, w: post_attention(x, attn, w, shape), notes)
 
 
 class Compiled:
