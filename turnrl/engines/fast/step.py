@@ -10,7 +10,9 @@ it. With `compile`, `pre` and `post` go through torch.compile with dynamic shape
 every bucket), each falling back to its plain function if compiling fails; `finish` stays eager (on the
 H200's torch 2.11, inductor failed on it in every try: a scheduler error in split reductions over a 152k
 vocabulary, a Triton compile error in the fused hash kernel). Its sampling, where no request truncates, is two
-hand-written Triton kernels on CUDA (sample_kernel.py), falling back to the torch sampler if they fail.
+hand-written Triton kernels on CUDA (sample_kernel.py), falling back to the torch sampler if they fail. Where
+the cache-write and decode attention kernels run (CUDA, bf16/fp16), the rotary embedding happens inside them
+(`fused_rope`): `pre` returns q and k unrotated, the write rotates the key and attention the query.
 """
 
 from __future__ import annotations
