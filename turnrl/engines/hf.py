@@ -24,7 +24,8 @@ import torch
 
 from turnrl.engines.base import Capabilities, Completion, Delta, EngineError, Sampling
 from turnrl.engines.cpu_attention import use_decode_attention
-from turnrl.engines.cpu_head import use_skinny_head
+from turnrl.engines.cpu_head import use_cpu_head
+from turnrl.engines.growing_cache import GrowingLayer, grow_in_place
 from turnrl.engines.prefix_cache import Entry, PrefixCache
 from turnrl.engines.worker import Listener, WorkerEngine, stream_through
 
@@ -114,13 +115,13 @@ class HFEngine(WorkerEngine):
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
         if self.device.type == "cpu":
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
-            use_skinny_head(self.model)       # and linear is slow for a decode step's few rows of logits
+            use_cpu_head(self.model)          # and linear is slow for a decode step with 7-15 rows of logits
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
         self.partial_rollout = partial_rollout
         self.capabilities = Capabilities(partial_rollout=True, streaming=True)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
-                      "busy_s": 0.0, "prefix_hit_tokens": 0, "interrupted": 0}
+                      "busy_s": 0.0, "prefill_s": 0.0, "prefix_hit_tokens": 0, "interrupted": 0}
         self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and _plain_cache(model) else None
         self._start_worker("turnrl-hf-engine", seed)
 
@@ -180,6 +181,7 @@ class HFEngine(WorkerEngine):
                     if fresh:
                         new = self._prefill(fresh)
                         batch = new if batch is None else batch.merge(new)
+                        self.stats["prefill_s"] += time.perf_counter() - start
                     if batch is not None:
                         batch = self._finish_rows(batch)
                     if batch is not None:
@@ -233,7 +235,7 @@ class HFEngine(WorkerEngine):
             attn[i, wp - m:wp] = 1
             attn[i, wp + ws - (len(p) - m):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = grow_in_place(DynamicCache(config=self.model.config))
         if wp > 0:
             template = next(e for e, m in hits if m > 0)
             _fill(cache, lambda li, kind: torch.cat([_prefix_rows(e, m, li, kind, wp, template) for e, m in hits]))
@@ -332,14 +334,20 @@ class _Batch:
         if first > 0:  # drop columns that are padding in every remaining row
             self.attn = self.attn[:, first:]
             for layer in self.cache.layers:
-                layer.keys = layer.keys[:, :, first:]
-                layer.values = layer.values[:, :, first:]
+                if isinstance(layer, GrowingLayer):
+                    layer.drop_front(first)
+                else:
+                    layer.keys = layer.keys[:, :, first:]
+                    layer.values = layer.values[:, :, first:]
 
     def merge(self, other: "_Batch") -> "_Batch":
         width = max(self.attn.shape[1], other.attn.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], 0)
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], 0)
+            if isinstance(mine, GrowingLayer):
+                mine.set_rows([(mine.keys, mine.values), (theirs.keys, theirs.values)], width)
+            else:
+                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], 0)
+                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], 0)
         self.attn = torch.cat([_left_pad(self.attn, width), _left_pad(other.attn, width)], 0)
         self.last = torch.cat([self.last, other.last])
         self.logits = torch.cat([self.logits, other.logits])
@@ -387,7 +395,7 @@ def _stack_entries(entries: list[Entry], config: Any) -> _Batch:
     from transformers import DynamicCache
 
     width = max(len(e) for e in entries)
-    cache = DynamicCache(config=config)
+    cache = grow_in_place(DynamicCache(config=config))
     device = entries[0].keys[0].device
     attn = torch.cat([_left_pad(torch.ones((1, len(e)), dtype=torch.long, device=device), width) for e in entries])
     _fill(cache, lambda li, kind: torch.cat([_left_pad(getattr(e, kind)[li].unsqueeze(0), width) for e in entries]))
