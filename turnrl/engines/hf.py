@@ -121,7 +121,8 @@ class HFEngine(WorkerEngine):
         self.partial_rollout = partial_rollout
         self.capabilities = Capabilities(partial_rollout=True, streaming=True)
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
-                      "busy_s": 0.0, "prefill_s": 0.0, "prefix_hit_tokens": 0, "interrupted": 0}
+                      "busy_s": 0.0, "prefill_s": 0.0, "prefill_computed_tokens": 0, "prefix_hit_tokens": 0,
+                      "interrupted": 0}
         self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and _plain_cache(model) else None
         self._start_worker("turnrl-hf-engine", seed)
 
@@ -243,6 +244,7 @@ class HFEngine(WorkerEngine):
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         self.stats["prefill_tokens"] += sum(len(p) - m for p, m in zip(prompts, reuse))
+        self.stats["prefill_computed_tokens"] += ids.numel()   # with the padding to the longest suffix
         batch = _Batch([], out.past_key_values, attn)
         batch.logits = out.logits[:, -1, :].float()
         if self.prefix is not None:
