@@ -172,3 +172,26 @@ def test_the_config_switch_reaches_the_fast_engine(torch_threads):
         finally:
             asyncio.run(engine.close())
 
+
+
+def test_later_turns_are_budgeted_by_their_new_tokens_not_their_whole_prompts(torch_threads):
+    # a budget of 3 first prompts a prefill: the 6 first turns take 2 admissions; their 6 later turns hold
+    # 6 x (2 + 5) new tokens (the delta and the two sampled tokens the slot lacks), so one admission takes all
+    with torch_threads(1):
+        model = AutoModelForCausalLM.from_pretrained(prepare("tiny-random"), dtype=torch.float32)
+        engine = FastEngine("", device="cpu", dtype="float32", max_batch_size=8, max_len=256, gather_ms=50,
+                            model=model, prefix_cache=True, prefill_tokens=3 * len(PROMPT))
+        try:
+            prompts = [[300 + i] + PROMPT[1:] for i in range(6)]   # distinct from the first token: no sharing
+            first = [(p, Sampling(max_tokens=12, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+            before = engine.stats["admissions"]
+            outs = gen(engine, *first)
+            assert engine.stats["admissions"] - before == 2
+            later = [(p + o.token_ids + DELTA, Sampling(max_tokens=4, temperature=1.0, seed=10 + i))
+                     for i, (p, o) in enumerate(zip(prompts, outs))]
+            before, filled = engine.stats["admissions"], engine.stats["prefill_tokens"]
+            gen(engine, *later)
+            assert engine.stats["admissions"] - before == 1
+            assert engine.stats["prefill_tokens"] - filled == 6 * (2 + len(DELTA))
+        finally:
+            asyncio.run(engine.close())

@@ -89,3 +89,17 @@ def test_a_later_turn_parked_high_moves_down_to_the_lowest_empty_slot():
     table.finished(2, A + [7])
     assert admit(table, A + [7, 8]) == [Plan(0, 41, source=2)]      # copied down; decode batches stay small
     assert table.empty == [1, 2, 3] and not table.parked and list(table.running) == [0]
+
+
+def test_match_reads_what_a_plan_would_reuse_and_changes_nothing():
+    table = SlotTable(4)
+    admit(table, A)
+    table.finished(0, A + [7, 8])
+    state = (list(table.empty), dict(table.parked), dict(table.stats), {h: set(s) for h, s in table._index.items()})
+    found = table.match(A + [7, 8, 9])
+    assert (found.slot, found.length) == (0, 42)
+    assert table.match(B).slot is None and table.match(B).length == 0
+    assert (list(table.empty), dict(table.parked), dict(table.stats),
+            {h: set(s) for h, s in table._index.items()}) == state
+    assert table.plan(A + [7, 8, 9], found=found) == Plan(0, 42)             # the plan it announced
+    table.commit()

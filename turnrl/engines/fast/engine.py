@@ -2,8 +2,9 @@
 
 One worker thread owns the GPU work, on its own CUDA stream. Each loop iteration:
 
-1. admission: queued requests go into slots (slots.py), up to `prefill_tokens` padded prompt tokens at a time;
-   what their slot does not hold yet is prefilled eagerly and their first tokens sampled. The slots are the
+1. admission: queued requests go into slots (slots.py), up to `prefill_tokens` padded new tokens (what their
+   slot does not hold yet) at a time, and up to `PREFILL_CONTEXT_FACTOR` times that of context for the
+   attention to read; those new tokens are prefilled eagerly and their first tokens sampled. The slots are the
    prefix cache: a trajectory's next turn continues the slot its last turn parked in (only the tool result or
    user reply and the template glue are prefilled), and a group's samples copy the prompt KV of the first one;
 2. one decode step over the first B slots (B: the bucket above the highest occupied slot), attending to the
@@ -48,6 +49,10 @@ from turnrl.engines.hf import resolve_device, resolve_dtype
 from turnrl.engines.worker import WorkerEngine
 
 log = logging.getLogger(__name__)
+
+# an admission's rows x their longest prompt stays within this many times `prefill_tokens`: with the budget
+# counted in new tokens, later turns that reuse their slot's KV could otherwise gather a large context at once
+PREFILL_CONTEXT_FACTOR = 8
 
 
 @dataclass
@@ -225,14 +230,22 @@ class FastEngine(WorkerEngine):
         self._fail_all(EngineError("engine closed"), list(self._pending))
 
     def _fits(self, taken: list[_Request], req: _Request) -> bool | None:
-        """Another request joins this prefill while a slot is free and the padded prefill stays in budget;
-        None: it waits for the next admission (it shares its prompt with one taken now, see slots.py)."""
+        """Another request joins this prefill while a slot is free and the prefill stays in budget: its padded
+        new tokens (what the slots do not hold yet) within `prefill_tokens`, the context its attention reads
+        within `PREFILL_CONTEXT_FACTOR` times that. None: it waits for the next admission (it shares its
+        prompt with one taken now, see slots.py)."""
         if not self.slots.available():
             return False
-        width = max([len(r.prompt) for r in taken] + [len(req.prompt)])
-        if taken and width * (len(taken) + 1) > self.prefill_tokens:
+        found = self.slots.match(req.prompt)
+        stale = self._cache_generation != self._cache_seen   # new weights: the admission prefills everything
+        new = len(req.prompt) - (0 if stale else found.length)
+        width = max([len(r.prompt) - (0 if stale else r.plan.start) for r in taken] + [new])
+        context = max([len(r.prompt) for r in taken] + [len(req.prompt)])
+        rows = len(taken) + 1
+        if taken and (width * rows > self.prefill_tokens
+                      or context * rows > PREFILL_CONTEXT_FACTOR * self.prefill_tokens):
             return False
-        req.plan = self.slots.plan(req.prompt, may_wait=not req.waited)
+        req.plan = self.slots.plan(req.prompt, may_wait=not req.waited, found=found)
         if req.plan is None:
             req.waited = True
             return None

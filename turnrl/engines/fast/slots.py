@@ -27,11 +27,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from turnrl.engines.prefix_cache import common_prefix
+
+
+class Match(NamedTuple):
+    query: np.ndarray | None   # the prompt as an array (None without a cache)
+    hashes: list[int]          # its block hashes
+    depth: int                 # how many of them the index holds
+    slot: int | None           # the slot sharing the longest prefix (None: no usable match)
+    length: int                # tokens shared with it (what a plan would not prefill)
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,11 @@ class SlotTable:
         """Slots a new request could take now (empty, or parked and not a source of this admission)."""
         return len(self.empty) + len([s for s in self.parked if s not in self._sources])
 
-    def plan(self, prompt: list[int], may_wait: bool = True) -> Plan | None:
-        """Place `prompt` in the admission being formed; None: it waits for the next admission (see above;
-        only when `may_wait`). The caller checks `available()` first."""
+    def match(self, prompt: list[int]) -> Match:
+        """The slot holding the longest prefix of `prompt` that a plan made now would reuse (changes nothing)."""
         query = np.asarray(prompt, dtype=np.int64) if self.enabled else None   # no cache: no copy of the prompt
         cap = len(prompt) - 1
-        best, best_len = None, 0
+        best, best_len, depth = None, 0, 0
         hashes: list[int] = []
         if self.enabled and cap >= self.min_match:
             hashes = block_hashes(query, cap, self.min_match)
@@ -112,9 +119,16 @@ class SlotTable:
                         best, best_len = slot, shared
             if best_len < self.min_match:
                 best, best_len = None, 0
-            if may_wait and self._depth(hashes, self._pending) > depth:
-                self.stats["deferred"] += 1
-                return None
+        return Match(query, hashes, depth, best, best_len)
+
+    def plan(self, prompt: list[int], may_wait: bool = True, found: Match | None = None) -> Plan | None:
+        """Place `prompt` in the admission being formed; None: it waits for the next admission (see above;
+        only when `may_wait`). The caller checks `available()` first; `found`: `match(prompt)`, if it was
+        just made (nothing changed since)."""
+        query, hashes, depth, best, best_len = found if found is not None else self.match(prompt)
+        if may_wait and hashes and self._depth(hashes, self._pending) > depth:
+            self.stats["deferred"] += 1
+            return None
         if best is not None and best in self.parked:
             del self.parked[best]
             self._forget(best)
