@@ -11,7 +11,7 @@ views of its filled part; a step writes its token in place. When the room runs o
 quarter of its length (at least `MIN_ROOM` positions), so the copies are amortised. Dropping finished rows
 (`batch_select_indices`) indexes the buffers, trimming padding (`drop_front`) takes a view of them, and
 merging newcomers (`set_rows`) writes every part once into new buffers with room. Where `keys`/`values`
-are set directly instead, `update` sees that the tensor is no longer its view and adopts it into a new
+are set directly instead, `update` sees that the tensor is no longer its view and copies it into a new
 buffer with room, once.
 
 `grow_in_place(cache)` switches a `DynamicCache`'s plain layers to this class: the same attributes, so
@@ -38,17 +38,11 @@ class GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys is None or self.keys.numel() == 0:
-            self._kbuf = self._vbuf = None
-            length = 0
-        else:
-            length = self.keys.shape[-2]
-            if not self._owned():
-                self._kbuf, self._vbuf = self._adopt(self.keys, length), self._adopt(self.values, length)
+        length = 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
         end = length + key_states.shape[-2]
-        if self._kbuf is None or end > self._kbuf.shape[-2] or self._kbuf.shape[0] != key_states.shape[0]:
-            self._kbuf = self._grow(self._kbuf, key_states, length, end)
-            self._vbuf = self._grow(self._vbuf, value_states, length, end)
+        if not self._owned() or end > self._kbuf.shape[-2]:   # set from outside, or full: one copy with room
+            self._kbuf = self._grow(self.keys, key_states, length, end)
+            self._vbuf = self._grow(self.values, value_states, length, end)
         self._kbuf[:, :, length:end] = key_states
         self._vbuf[:, :, length:end] = value_states
         self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
@@ -80,7 +74,7 @@ class GrowingLayer(DynamicLayer):
         positions, straight into new buffers with room (one copy, where cat and padding would take three)."""
         rows = sum(k.shape[0] for k, _ in parts)
         first = parts[0][0]
-        shape = (rows, first.shape[1], width + max(MIN_ROOM, width // 4), first.shape[-1])
+        shape = (rows, first.shape[1], _capacity(width), first.shape[-1])
         self._kbuf, self._vbuf = first.new_empty(shape), first.new_empty(shape)
         row = 0
         for keys, values in parts:
@@ -104,18 +98,17 @@ class GrowingLayer(DynamicLayer):
                 and view.stride() == buf.stride())
 
     @staticmethod
-    def _adopt(tensor: torch.Tensor, length: int) -> torch.Tensor:
-        buf = tensor.new_empty(*tensor.shape[:2], length + max(MIN_ROOM, length // 4), tensor.shape[-1])
-        buf[:, :, :length] = tensor
-        return buf
-
-    @staticmethod
-    def _grow(buf: torch.Tensor | None, states: torch.Tensor, length: int, end: int) -> torch.Tensor:
-        """A buffer with room for `end` positions and more, holding the first `length` of `buf` (if any)."""
-        grown = states.new_empty(*states.shape[:2], end + max(MIN_ROOM, end // 4), states.shape[-1])
-        if buf is not None and length:
-            grown[:, :, :length] = buf[:, :, :length]
+    def _grow(filled: torch.Tensor | None, states: torch.Tensor, length: int, end: int) -> torch.Tensor:
+        """A buffer with room for `end` positions and more, holding the first `length` of `filled`."""
+        grown = states.new_empty(*states.shape[:2], _capacity(end), states.shape[-1])
+        if length:
+            grown[:, :, :length] = filled[:, :, :length]
         return grown
+
+
+def _capacity(positions: int) -> int:
+    """Positions a (re)allocated buffer holding `positions` gets: a quarter more, at least `MIN_ROOM` more."""
+    return positions + max(MIN_ROOM, positions // 4)
 
 
 def grow_in_place(cache: Any) -> Any:

@@ -110,6 +110,10 @@ class DecodeStep:
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.units = self._make_units(compile)
 
+    def _tables(self, rope: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The kernels' cos/sin arguments: the decoder's rotary tables, or None for no rotary."""
+        return (self.decoder.cos, self.decoder.sin) if rope else (None, None)
+
     def _rotated(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [B, heads, D] rotated at positions pos [B] in float32, rounded once (what the kernels compute)."""
         d = self.decoder
@@ -128,7 +132,7 @@ class DecodeStep:
             fresh = torch.randn(2, kv, 2 * dim, device=device).to(dtype)    # strided views, as the qkv slices are
             rows, pos = torch.tensor([2, 0], device=device), torch.tensor([length - 1, 1], device=device)
             write_kv(fresh[..., :dim], fresh[..., dim:], keys, values, rows, pos,
-                     *((d.cos, d.sin) if rope else (None, None)))
+                     *self._tables(rope))
             want = self._rotated(fresh[..., :dim], pos) if rope else fresh[..., :dim]
             expected[rows[:, None], torch.arange(kv, device=device)[None], pos[:, None]] = want
             # rotated: float32 arithmetic in another order may round one bf16 ulp apart
@@ -154,7 +158,7 @@ class DecodeStep:
             q = torch.randn(3, heads, dim, device=device, generator=g).to(dtype)
             pos = torch.tensor([0, length // 2, length - 1], device=device)
             got = attention_kernel.decode_attention(q, keys, values, pos, length, d.shape.scaling,
-                                                    *((d.cos, d.sin) if rope else (None, None)))
+                                                    *self._tables(rope))
             want = decode_attention(self._rotated(q, pos) if rope else q, keys, values, pos, length,
                                     d.shape.scaling)
             error = (got.float() - want.float()).abs().max().item()
@@ -225,7 +229,7 @@ class DecodeStep:
                                       f"{type(exc).__name__}: {str(exc)[:300]}")
                     log.warning(self.notes[-1])
             return finish_step(*args)
-        rotary = (d.cos, d.sin) if fused_rope else (None, None)
+        rotary = self._tables(fused_rope)
 
         def kernel_attend(q, keys, values, pos, n_kv):   # split-key Triton kernels over the live positions
             return attention_kernel.decode_attention(q, keys, values, pos, n_kv, shape.scaling, *rotary)
