@@ -14,7 +14,7 @@
 # Copy the SmolLM2 tokenizer and chat template into .devcache/smollm2-tokenizer (ignored; 3.5 MB) to carry:
 #   bash benchmarks/fast_prefix/run_gpu.sh --prepare
 # Further arguments are config overrides for both runs (e.g. engine.gather_ms=2). Environment: TOKENIZER (a
-# directory with the tokenizer files), REPEATS (3),
+# directory with the tokenizer files), REPEATS (3), VARIANTS ("cache nocache"), NAME (the files' prefix),
 # BENCH_TIMEOUT (seconds per run, 240), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -63,7 +63,7 @@ if [ "$QUICK" = 1 ]; then
   shape=tiny; device=cpu; dtype=float32; prompts=4; n=2; turns=2; tokens=16; batch=8; repeats=${REPEATS:-1}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # a shared CPU: one thread per engine is fastest and polite
 else
-  OUT=${OUT:-runs/fast_prefix}; name=h200_fast_multiturn
+  OUT=${OUT:-runs/fast_prefix}; name=${NAME:-h200_fast_multiturn}
   shape=qwen2.5-0.5b; device=cuda; dtype=bfloat16; prompts=64; n=4; turns=4; tokens=64; batch=256
   repeats=${REPEATS:-3}
 fi
@@ -87,7 +87,7 @@ common=(--engine hf --task guess_number --prompts $prompts --n $n --repeats "$re
         "model.name=$model" engine.fast=on engine.device=$device engine.dtype=$dtype engine.max_batch_size=$batch
         rollout.concurrency=$batch rollout.max_assistant_turns=$turns rollout.max_user_turns=$turns)
 rc=0
-for variant in cache nocache; do
+for variant in ${VARIANTS:-cache nocache}; do
   if [ $variant = cache ]; then
     switch=(engine.fast_prefix_cache=true)
   else

@@ -75,6 +75,7 @@ class ChatSession:
         self._text = text            # the current segment's text, kept in step with its tokens
         self.mismatches = 0
         self._last_prompt: tuple[Any, list[dict[str, Any]], str] | None = None
+        self._encoded: tuple[str, list[int], list[tuple[int, int]]] | None = None
 
     @property
     def context_ids(self) -> list[int]:
@@ -185,7 +186,7 @@ class ChatSession:
         text = "".join(p for p, _ in pieces)
         if not text:
             return 0
-        ids, offsets = self.template.encode_with_offsets(text)
+        ids, offsets = self._encode(text)
         bounds, at = [], 0
         for piece, source in pieces:
             at += len(piece)
@@ -245,7 +246,14 @@ class ChatSession:
                 # warn (with 'error', add_environment raises)
                 delta = self._glue() + self._warn_delta(hist, full, new_messages)
                 return len(self.context_ids) + len(self.template.encode(delta))
-        return len(self.context_ids) + len(self.template.encode(full[len(self._text):]))
+        return len(self.context_ids) + len(self._encode(full[len(self._text):])[0])
+
+    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The template's encoding of a delta with offsets, remembered for the last text: `context_after` and the
+        `add_environment` after it encode the same delta."""
+        if self._encoded is None or self._encoded[0] != text:
+            self._encoded = (text, *self.template.encode_with_offsets(text))
+        return self._encoded[1], self._encoded[2]
 
     def _glue(self) -> str:
         """The template's assistant suffix minus what the policy already wrote of it."""

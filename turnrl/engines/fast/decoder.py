@@ -140,24 +140,21 @@ class SlotDecoder:
         return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
 
     def prefill_after(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
-                      total: int) -> torch.Tensor:
-        """`prefill` of rows that continue cached KV: each new token attends to its slot's positions up to its own."""
+                      total: int, captured: bool = False) -> torch.Tensor:
+        """`prefill` of rows that continue cached KV: each new token attends to its slot's positions up to its own.
+        `captured`: this call (or the graph captured after it) runs many times, so the attention may use SDPA's own
+        choice, whose per-shape setup is paid once (`masked_attention`)."""
         n, width = ids.shape
         positions = (starts[:, None] + torch.arange(width, device=ids.device)[None]).clamp(max=self.max_len - 1)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]    # [n, T, 1, D]
-        visible = torch.arange(total, device=ids.device)[None, None] <= positions[:, :, None]   # [n, T, total]
-        # as an additive mask, built once: with a boolean one and grouped heads, SDPA on an H100 spent 0.63 ms
-        # of host time a layer choosing and preparing its kernel, against 0.02 ms (benchmarks/fast_prefix)
-        bias = torch.zeros(visible.shape, device=ids.device, dtype=self.embed.dtype)
-        bias = bias.masked_fill_(~visible, float("-inf"))[:, None]
+        bias = additive_mask(positions, total, self.embed.dtype)                        # [n, 1, T, total]
         x = F.embedding(ids, self.embed)
         for w, keys, values in zip(self.layers, self.keys, self.values):
             q, k, v = pre_attention(x, w, cos, sin, self.shape)            # [n, T, h, D]
             keys[slots[:, None], :, positions] = k                          # padding lands past each row's end
             values[slots[:, None], :, positions] = v
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[slots, :, :total], values[slots, :, :total],
-                                                 attn_mask=bias, scale=self.shape.scaling,
-                                                 enable_gqa=self.shape.heads != self.shape.kv_heads)
+            out = masked_attention(q.transpose(1, 2), keys[slots, :, :total], values[slots, :, :total], bias,
+                                   self.shape.scaling, captured)
             x = post_attention(x, out.transpose(1, 2).reshape(n, width, -1), w, self.shape)
         last = x[torch.arange(n, device=x.device), lengths - 1]
         return head(last, self.norm, self.lm_head, self.lm_head_bias, self.shape.eps)
@@ -240,6 +237,38 @@ def _stack(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 # -- pure functions (compiled on the GPU) ---------------------------------------------------------------
+def additive_mask(positions: torch.Tensor, total: int, dtype: torch.dtype) -> torch.Tensor:
+    """positions [n, T] -> [n, 1, T, total]: 0 where a key position <= the query's, -inf elsewhere. Built once per
+    prefill, as an additive mask (with a boolean one and grouped heads, SDPA on an H100 spent 0.63 ms of host
+    time a layer choosing and preparing its kernel, against 0.02 ms), its rows padded to 16 positions (the
+    memory-efficient kernel's alignment) and sliced back."""
+    n, width = positions.shape
+    padded = -(-total // 16) * 16
+    visible = torch.arange(total, device=positions.device)[None, None] <= positions[:, :, None]   # [n, T, total]
+    bias = torch.zeros(n, 1, width, padded, device=positions.device, dtype=dtype)[..., :total]
+    return bias.masked_fill_(~visible[:, None], float("-inf"))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float,
+                     captured: bool = False) -> torch.Tensor:
+    """q [n, heads, T, D] against k/v [n, kv_heads, S, D] under the additive mask bias [n, 1, T, S] -> [n, heads, T, D].
+
+    SDPA left to choose took the cuDNN backend on an H100 (torch 2.11), which builds a plan for every new shape:
+    ~50 ms of host time for a prefill's 24 layers the first time, 0.6-0.9 ms later, with 2.3-6.3 ms of device time
+    (benchmarks/fast_prefix/sdpa_probe.py, `h100_sdpa_probe_2026-12-05.txt`). An eager admission sees new sizes all
+    the time, so on CUDA it names the memory-efficient kernel instead: 1.4-1.9 ms of host time for any shape, but
+    5-16 ms of device time (the keys and values repeated per query head: that kernel has no grouped heads).
+    `captured` (an admission replayed from a CUDA graph, admit.py): SDPA's choice, set up once per graph. The kernel
+    is named rather than chosen with `sdpa_kernel`, which sets process-wide flags (a trainer may attend meanwhile)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if q.is_cuda and not captured:
+        if heads != kv_heads:
+            k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias.expand(-1, heads, -1, -1), False, scale=scaling)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=heads != kv_heads)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: statistics in float32, the scale applied in the input dtype."""
     h = x.float()

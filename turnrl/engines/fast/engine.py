@@ -4,7 +4,8 @@ One worker thread owns the GPU work, on its own CUDA stream. Each loop iteration
 
 1. admission: queued requests go into slots (slots.py), up to `prefill_tokens` padded new tokens (what their
    slot does not hold yet) at a time, and up to `PREFILL_CONTEXT_FACTOR` times that of context for the
-   attention to read; those new tokens are prefilled eagerly and their first tokens sampled. The slots are the
+   attention to read; those new tokens are prefilled and their first tokens sampled (admit.py: on CUDA one graph
+   replay per bucket of sizes, eager at exact sizes elsewhere). The slots are the
    prefix cache: a trajectory's next turn continues the slot its last turn parked in (only the tool result or
    user reply and the template glue are prefilled), and a group's samples copy the prompt KV of the first one;
 2. one decode step over the first B slots (B: the bucket above the highest occupied slot), attending to the
@@ -41,8 +42,9 @@ from typing import Any, Iterable
 import torch
 
 from turnrl.engines.base import Capabilities, Completion, EngineError, Sampling
+from turnrl.engines.fast.admit import Admit, Row
 from turnrl.engines.fast.decoder import SlotDecoder
-from turnrl.engines.fast.sampling import sample, sample_exact, seed_key
+from turnrl.engines.fast.sampling import seed_key
 from turnrl.engines.fast.slots import Plan, SlotTable
 from turnrl.engines.fast.step import KV_BUCKET, DecodeStep, SlotState, batch_bucket
 from turnrl.engines.hf import resolve_device, resolve_dtype
@@ -109,7 +111,8 @@ class FastEngine(WorkerEngine):
                  max_len: int = 4096, gather_ms: float = 5.0, seed: int = 0, model: Any = None,
                  compile: bool | None = None, cuda_graphs: bool | None = None, prefill_tokens: int = 16384,
                  max_stop_ids: int = 8, max_inflight: int = 4, exact: bool = False, prefix_cache: bool = False,
-                 partial_rollout: bool = False, fused_sampling: bool | None = None, fused_rope: bool | None = None):
+                 partial_rollout: bool = False, fused_sampling: bool | None = None, fused_rope: bool | None = None,
+                 packed_admissions: bool | None = None):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -127,8 +130,9 @@ class FastEngine(WorkerEngine):
         self.partial_rollout = partial_rollout   # new weights interrupt the running requests (rollout/resume.py)
         self.capabilities = Capabilities(partial_rollout=True)
         self._threads = torch.get_num_threads()   # CPU GEMMs partition by thread count: the trainer's count
-        self.decoder = SlotDecoder(self.model, max_batch_size, max_len, exact=exact)
-        self.state = SlotState(max_batch_size, max_len, max_stop_ids, self.device)
+        # one slot more than the batch: padded admission rows write it, no decode step reads it (admit.py)
+        self.decoder = SlotDecoder(self.model, max_batch_size + 1, max_len, exact=exact)
+        self.state = SlotState(max_batch_size + 1, max_len, max_stop_ids, self.device)
         self.max_stop_ids, self.prefill_tokens, self.max_inflight = max_stop_ids, prefill_tokens, max_inflight
         self.gather_s = gather_ms / 1000
         graphs = cuda if cuda_graphs is None else cuda_graphs
@@ -139,11 +143,13 @@ class FastEngine(WorkerEngine):
         # wait_s of it blocked on the GPU for a status or the tokens of finished requests
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
                       "graph_replays": 0, "graphs": 0, "busy_s": 0.0, "interrupted": 0, "admissions": 0,
-                      "admit_s": 0.0, "wait_s": 0.0}
+                      "admit_s": 0.0, "wait_s": 0.0, "admit_graph_replayed": 0, "admit_graph_captured": 0}
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         compile = (cuda if compile is None else compile) and not exact
         self.step = DecodeStep(self.decoder, self.state, compile, graphs, self._stream, self.notes,
                                fused_sampling, fused_rope)
+        self.admit = Admit(self.decoder, self.state, max_stop_ids, prefill_tokens, self.step.use_graphs,
+                           self.step.pool, self._stream, self.notes, packed_admissions)
         # the prefix cache (slots.py): later turns continue their parked slot, groups copy a running prompt
         self.slots = SlotTable(max_batch_size, enabled=prefix_cache and not exact)
         self._cache_generation = self._cache_seen = 0   # bumped by weight updates: cached KV is stale
@@ -270,41 +276,13 @@ class FastEngine(WorkerEngine):
         if copies:
             self.decoder.copy_prefix(self._to_device([c[0] for c in copies], torch.int64),
                                      self._to_device([c[1] for c in copies], torch.int64), max(c[2] for c in copies))
-        new = [r.prompt[plan.start:] for r, plan in zip(reqs, plans)]
-        width = max(len(ids) for ids in new)
-        ids = self._to_device([part + [0] * (width - len(part)) for part in new], torch.int64)
-        lengths = self._to_device([len(part) for part in new], torch.int64)
-        full = self._to_device([len(r.prompt) for r in reqs], torch.int64)
-        starts = None
-        if any(plan.start for plan in plans):
-            starts = self._to_device([plan.start for plan in plans], torch.int64)
-        idx = self._to_device(slots, torch.int64)
-        temperature = self._to_device([r.sampling.temperature for r in reqs], torch.float32)
-        top_p = self._to_device([r.sampling.top_p for r in reqs], torch.float32)
-        top_k = self._to_device([r.sampling.top_k for r in reqs], torch.int64)
-        key = self._to_device([r.key for r in reqs], torch.int64)
-        max_tokens = self._to_device([r.max_tokens for r in reqs], torch.int64)
-        stop_ids = [list(r.sampling.stop_token_ids) for r in reqs]
-        stop = self._to_device([ids + [-1] * (self.max_stop_ids - len(ids)) for ids in stop_ids], torch.int64)
-        s = self.state
-        for target, values in ((s.temperature, temperature), (s.top_p, top_p), (s.top_k, top_k), (s.key, key),
-                               (s.max_tokens, max_tokens), (s.stop, stop), (s.pos, full)):
-            target.index_copy_(0, idx, values)
-        logits = self.decoder.prefill(ids, lengths, idx, starts, max(len(r.prompt) for r in reqs))
-        if self.exact:
-            tokens, logprobs = sample_exact(logits, temperature, key, torch.zeros_like(key))
-        else:
-            tokens, logprobs = sample(logits, temperature, key, torch.zeros_like(key), top_k, top_p,
-                                      any(r.truncates for r in reqs), any(r.greedy for r in reqs))
-        first = torch.zeros_like(idx)
-        s.out_tokens.index_put_((idx, first), tokens)
-        s.out_logprobs.index_put_((idx, first), logprobs)
-        still = ~((tokens[:, None] == stop).any(dim=1) | (max_tokens <= 1))
-        s.count.index_fill_(0, idx, 1)
-        s.active.index_copy_(0, idx, still)
-        s.last.index_copy_(0, idx, tokens)
-        s.status.index_copy_(0, idx, torch.where(still, 1, -2))
-        self.stats["prefill_tokens"] += sum(len(part) for part in new)
+        rows = [Row(r.prompt[plan.start:], plan.start, len(r.prompt), plan.slot, r.sampling.temperature,
+                    r.sampling.top_p, r.sampling.top_k, r.key, r.max_tokens, list(r.sampling.stop_token_ids))
+                for r, plan in zip(reqs, plans)]
+        how = self.admit(rows, any(r.truncates for r in reqs), any(r.greedy for r in reqs))
+        if how in ("replayed", "captured"):
+            self.stats["admit_graph_" + how] += 1
+        self.stats["prefill_tokens"] += sum(len(row.new) for row in rows)
         self.stats["requests"] += len(reqs)
         self.stats.update(self.slots.stats)
 
