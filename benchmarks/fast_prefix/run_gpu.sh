@@ -14,7 +14,8 @@
 # Copy the SmolLM2 tokenizer and chat template into .devcache/smollm2-tokenizer (ignored; 3.5 MB) to carry:
 #   bash benchmarks/fast_prefix/run_gpu.sh --prepare
 # Further arguments are config overrides for both runs (e.g. engine.gather_ms=2). Environment: TOKENIZER (a
-# directory with the tokenizer files), REPEATS (3), VARIANTS ("cache nocache"), NAME (the files' prefix),
+# directory with the tokenizer files), REPEATS (3), WARMUP (repeats run first and left out of the summary: 1 on the
+# GPU, 0 with --quick), VARIANTS ("cache nocache"), NAME (the files' prefix),
 # BENCH_TIMEOUT (seconds per run, 240), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,11 +62,12 @@ fi
 if [ "$QUICK" = 1 ]; then
   OUT=${OUT:-runs/fast_prefix_quick}; name=quick_fast_multiturn
   shape=tiny; device=cpu; dtype=float32; prompts=4; n=2; turns=2; tokens=16; batch=8; repeats=${REPEATS:-1}
+  warmup=${WARMUP:-0}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # a shared CPU: one thread per engine is fastest and polite
 else
   OUT=${OUT:-runs/fast_prefix}; name=${NAME:-h200_fast_multiturn}
   shape=qwen2.5-0.5b; device=cuda; dtype=bfloat16; prompts=64; n=4; turns=4; tokens=64; batch=256
-  repeats=${REPEATS:-3}
+  repeats=${REPEATS:-3}; warmup=${WARMUP:-1}
 fi
 mkdir -p "$OUT"
 log=$OUT/${name}_log.txt
@@ -83,7 +85,8 @@ trap 'rm -rf "$model"' EXIT
   grep -v "Writing model shards" | tee -a "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "make_model failed" | tee -a "$log"; exit 1; }
 
-common=(--engine hf --task guess_number --prompts $prompts --n $n --repeats "$repeats" --max-tokens $tokens
+common=(--engine hf --task guess_number --prompts $prompts --n $n --repeats "$repeats" --warmup-repeats "$warmup"
+        --max-tokens $tokens
         "model.name=$model" engine.fast=on engine.device=$device engine.dtype=$dtype engine.max_batch_size=$batch
         rollout.concurrency=$batch rollout.max_assistant_turns=$turns rollout.max_user_turns=$turns)
 rc=0

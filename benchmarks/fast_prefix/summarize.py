@@ -19,7 +19,7 @@ def lines(path: Path) -> list[str]:
     for i, run in enumerate(report["runs"]):
         multi, offline = run["multi_turn"], run["offline"]
         m, o = multi.get("engine_stats", {}), offline.get("engine_stats", {})
-        out.append(f"{path.stem:<36} {i:>2} multi {multi['seconds']:5.2f} s offline {offline['seconds']:5.2f} s "
+        out.append(f"{path.stem:<36} {i:>2}{'w' if run.get('warmup') else ' '} multi {multi['seconds']:5.2f} s offline {offline['seconds']:5.2f} s "
                    f"ratio {run['ratio']:.3f} | multi: {m.get('admissions', 0):>3} admissions "
                    f"admit {m.get('admit_s', 0):.3f} s wait {m.get('wait_s', 0):.3f} s busy {m.get('busy_s', 0):.3f} s "
                    f"graphs +{m.get('admit_graph_captured', 0)}/{m.get('admit_graph_replayed', 0)} "

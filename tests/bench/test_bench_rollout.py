@@ -15,12 +15,15 @@ def test_bench_rollout_writes_the_report(tmp_path):
     torch.set_num_threads(1)   # the hf engine's worker keeps the count it starts with; one is fastest on 2 busy cores
     try:
         assert main(["bench", "rollout", "--engine", "hf", "--task", "calculator", "--prompts", "2", "--n", "1",
-                     "--repeats", "2", "--max-tokens", "8", "--json", str(out),
+                     "--repeats", "1", "--warmup-repeats", "1", "--max-tokens", "8", "--json", str(out),
                      "rollout.max_assistant_turns=2", "engine.dtype=float32"]) == 0
     finally:
         torch.set_num_threads(threads)
     report = json.loads(out.read_text())
     assert report["benchmark"] == "rollout" and len(report["runs"]) == 2
+    assert [run["warmup"] for run in report["runs"]] == [True, False]   # the summary is the second run's
+    assert report["summary"]["ratio"] == {"min": report["runs"][1]["ratio"], "median": report["runs"][1]["ratio"],
+                                          "max": report["runs"][1]["ratio"]}
     for key in ("multi_turn_tokens_per_s", "offline_tokens_per_s", "ratio"):
         spread = report["summary"][key]
         assert 0 < spread["min"] <= spread["median"] <= spread["max"]

@@ -25,6 +25,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--prompts", type=int, default=16, help="tasks per batch")
     q.add_argument("--n", type=int, default=4, help="samples per task")
     q.add_argument("--repeats", type=int, default=3)
+    q.add_argument("--warmup-repeats", type=int, default=0, help="repeats run first and left out of the summary "
+                   "(kernel compilation, graph captures)")
     q.add_argument("--max-tokens", type=int, default=None, help="rollout.sampling.max_tokens_per_turn")
     q.add_argument("--temperature", type=float, default=None, help="rollout.sampling.temperature")
     q.add_argument("--json", required=True, help="where to write the report")
@@ -117,11 +119,11 @@ def _rollout(a: argparse.Namespace) -> int:
              f"rollout.sampling.max_tokens_per_turn={a.max_tokens}" if a.max_tokens else None,
              f"rollout.sampling.temperature={a.temperature}" if a.temperature is not None else None]
     cfg = load_config(a.config, list(a.overrides) + [f for f in flags if f])
-    if a.prompts < 1 or a.repeats < 1:
-        raise SystemExit("error: --prompts and --repeats must be >= 1")
+    if a.prompts < 1 or a.repeats < 1 or a.warmup_repeats < 0:
+        raise SystemExit("error: --prompts and --repeats must be >= 1, --warmup-repeats >= 0")
     tasks = load_dataset(task=a.task, size=a.prompts, seed=cfg.seed, options=TASK_OPTIONS.get(a.task, {}))
     report = asyncio.run(bench_rollout(resolve(cfg.model.name), cfg.engine, cfg.rollout, tasks, a.repeats,
-                                       cfg.seed))
+                                       cfg.seed, a.warmup_repeats))
     print(format_report(report))
     _write(a.json, report)
     return 0

@@ -47,9 +47,11 @@ from turnrl.rollout.scheduler import run_batch
 
 
 async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig,
-                        tasks: list[Task], repeats: int, seed: int = 0) -> dict[str, Any]:
-    if repeats < 1 or not tasks:
-        raise ValueError("the rollout benchmark needs at least one task and one repeat")
+                        tasks: list[Task], repeats: int, seed: int = 0, warmup_repeats: int = 0) -> dict[str, Any]:
+    """`warmup_repeats` more repeats run first: reported with `warmup: true`, left out of the summary (on a GPU
+    the first repeats compile kernels and capture graphs for the buckets they meet)."""
+    if repeats < 1 or warmup_repeats < 0 or not tasks:
+        raise ValueError("the rollout benchmark needs at least one task and one repeat (and warmup_repeats >= 0)")
     template = load_template(model_dir)
     env = build_environment(rollout_cfg)
     t0 = time.perf_counter()
@@ -58,7 +60,7 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
     runs = []
     try:
         await _warm_up(engine, template.encode("Hello, how are you today?"))
-        for r in range(repeats):
+        for r in range(warmup_repeats + repeats):
             load = os.getloadavg()[0]
             await _reset_cache(engine)
             before = engine_stats(engine)
@@ -68,19 +70,20 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
             await _reset_cache(engine)
             offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
             offline["engine_stats"] = delta(engine_stats(engine), before)
-            runs.append({"repeat": r, "loadavg_1m": load, "loadavg_1m_end": os.getloadavg()[0],
+            runs.append({"repeat": r, "warmup": r < warmup_repeats, "loadavg_1m": load,
+                         "loadavg_1m_end": os.getloadavg()[0],
                          "multi_turn": multi, "offline": offline,
                          "ratio": multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"]})
     finally:
         await engine.close()
-    summary = {key: spread([get(run) for run in runs]) for key, get in (
+    summary = {key: spread([get(run) for run in runs if not run["warmup"]]) for key, get in (
         ("multi_turn_tokens_per_s", lambda run: run["multi_turn"]["policy_tokens_per_s"]),
         ("offline_tokens_per_s", lambda run: run["offline"]["generated_tokens_per_s"]),
         ("ratio", lambda run: run["ratio"]))}
     return {"benchmark": "rollout", "summary": summary, "runs": runs, "engine_startup_s": startup,
             "config": {"engine": to_dict(engine_cfg), "rollout": to_dict(rollout_cfg), "model": str(model_dir),
                        "tasks": len(tasks), "task_source": sorted({t.info.get("data_source", "") for t in tasks}),
-                       "repeats": repeats, "seed": seed},
+                       "repeats": repeats, "warmup_repeats": warmup_repeats, "seed": seed},
             "machine": machine_info()}
 
 
@@ -202,11 +205,13 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'load':>5}"]
     for run in report["runs"]:
         m, o = run["multi_turn"], run["offline"]
-        lines.append(f"{run['repeat']:>6} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
+        lines.append(f"{run['repeat']:>5}{'w' if run.get('warmup') else ' '} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
                      f"{run['ratio']:>6.3f} {m['seconds']:>8.1f} {o['seconds']:>9.1f} {m['policy_tokens']:>10} "
                      f"{m['prompt_tokens']:>10} {m['turns_per_trajectory']:>10.2f} {m['tool_calls']:>6} "
                      f"{m['loop_cpu_s'] / m['seconds']:>8.1%} {run['loadavg_1m']:>5.1f}")
-    lines.append(f"  {'over repeats':<26} {'min':>10} {'median':>10} {'max':>10}")
+    warm = sum(1 for run in report["runs"] if run.get("warmup"))
+    lines.append(f"  {'over repeats' + (f' (not the {warm} w)' if warm else ''):<26} {'min':>10} {'median':>10} "
+                 f"{'max':>10}")
     for key, spread in report["summary"].items():
         lines.append(f"  {key:<26} {spread['min']:>10.3f} {spread['median']:>10.3f} {spread['max']:>10.3f}")
     for run in report["runs"]:

@@ -31,6 +31,7 @@ for frameworks that re-tokenize), or `mismatch`.
 
 from __future__ import annotations
 
+import bisect
 import copy
 from typing import Any
 
@@ -97,9 +98,10 @@ class ChatSession:
         seg = self.traj.segment
         start = len(seg)
         seg.append(token_ids, Source.POLICY, turn, logprobs)
-        self._text += self.template.decode(token_ids)
+        text = self.template.decode(token_ids)
+        self._text += text
         forced = list(forced)
-        content = self.template.decode(forced + token_ids)
+        content = self.template.decode(forced + token_ids) if forced else text
         if finish_reason == "stop" and token_ids and token_ids[-1] in self.template.stop_token_ids:
             content = self.template.decode(forced + token_ids[:-1])
         reasoning, answer = self.template.split_reasoning(content)
@@ -187,14 +189,15 @@ class ChatSession:
         if not text:
             return 0
         ids, offsets = self._encode(text)
-        bounds, at = [], 0
-        for piece, source in pieces:
+        ends, sources, at = [], [s for _, s in pieces], 0
+        for piece, _ in pieces:
             at += len(piece)
-            bounds.append((at, source))
+            ends.append(at)
         seg = self.traj.segment
         run_source, run = None, []
         for tok, (begin, _) in zip(ids, offsets):
-            source = next((s for end, s in bounds if begin < end), bounds[-1][1])
+            # the piece the token starts in: the first whose end is past its first character (the last if none)
+            source = sources[min(bisect.bisect_right(ends, begin), len(sources) - 1)]
             if source != run_source and run:
                 seg.append(run, run_source, turn)
                 run = []
