@@ -22,7 +22,8 @@ def lines(path: Path) -> list[str]:
         out.append(f"{path.stem:<36} {i:>2}{'w' if run.get('warmup') else ' '} multi {multi['seconds']:5.2f} s offline {offline['seconds']:5.2f} s "
                    f"ratio {run['ratio']:.3f} | multi: {m.get('admissions', 0):>3} admissions "
                    f"admit {m.get('admit_s', 0):.3f} s wait {m.get('wait_s', 0):.3f} s busy {m.get('busy_s', 0):.3f} s "
-                   f"graphs +{m.get('admit_graph_captured', 0)}/{m.get('admit_graph_replayed', 0)} "
+                   f"graphs +{m.get('admit_captured', m.get('admit_graph_captured', 0))}/"
+                   f"{m.get('admit_replayed', m.get('admit_graph_replayed', 0))} "
                    f"loop cpu {multi.get('loop_cpu_s', 0):.2f} s | offline: {o.get('admissions', 0):>3} admissions "
                    f"admit {o.get('admit_s', 0):.3f} s")
     return out

@@ -66,9 +66,31 @@ def test_packed_admissions_answer_as_plain_ones(torch_threads, cache):
             assert (outs2[-3].token_ids, outs2[-3].finish_reason) == (answer[:1], "stop")
             assert outs2[-2].finish_reason == "stop" and outs2[-2].token_ids == answer[:len(outs2[-2].token_ids)]
             assert len(outs2[-2].token_ids) > 1
+            assert packed.stats["admit_packed"] > 0 and packed.stats["admit_plain"] == 0
+            assert plain.stats["admit_plain"] > 0 and plain.stats["admit_packed"] == 0
             if cache:
                 assert packed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
                 assert packed.stats["prefix_hit_tokens"] > 0
+        finally:
+            for engine in (packed, plain):
+                asyncio.run(engine.close())
+
+
+def test_a_bucket_over_the_budget_is_admitted_at_its_exact_size(torch_threads):
+    # prefill_tokens 8: packed buckets hold 32 tokens at most, so a 40-token prompt (a 64-wide bucket) goes plain
+    with torch_threads(1):
+        model = AutoModelForCausalLM.from_pretrained(prepare("tiny-random"), dtype=torch.float32)
+        packed, plain = (FastEngine("", device="cpu", dtype="float32", model=model, max_batch_size=4, max_len=128,
+                                    prefill_tokens=8, packed_admissions=on) for on in (True, False))
+        try:
+            asks = [(PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))]
+            for a, b in zip(gen(packed, asks), gen(plain, asks)):
+                same(a, b)
+            assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 0)
+            asks = [([5, 6, 7], Sampling(max_tokens=5, temperature=1.0, seed=2))]
+            for a, b in zip(gen(packed, asks), gen(plain, asks)):
+                same(a, b)
+            assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 1)
         finally:
             for engine in (packed, plain):
                 asyncio.run(engine.close())
@@ -98,11 +120,11 @@ def test_gpu_admission_graphs_answer_as_plain_admissions(cache):
         later = requests(outs)
         for a, b in zip(gen(graphs, later), gen(plain, later)):
             same(a, b)
-        assert graphs.stats["admit_graph_captured"] >= 2
+        assert graphs.stats["admit_captured"] >= 2
         if not cache:           # the same buckets again: replayed
             for a, b in zip(gen(graphs, requests()), outs):
                 same(a, b)
-            assert graphs.stats["admit_graph_replayed"] >= 1
+            assert graphs.stats["admit_replayed"] >= 1
         assert not [note for note in graphs.notes if "admission" in note], graphs.notes
     finally:
         for engine in (graphs, plain):

@@ -143,7 +143,9 @@ class FastEngine(WorkerEngine):
         # wait_s of it blocked on the GPU for a status or the tokens of finished requests
         self.stats = {"requests": 0, "generated_tokens": 0, "prefill_tokens": 0, "decode_steps": 0,
                       "graph_replays": 0, "graphs": 0, "busy_s": 0.0, "interrupted": 0, "admissions": 0,
-                      "admit_s": 0.0, "wait_s": 0.0, "admit_graph_replayed": 0, "admit_graph_captured": 0}
+                      "admit_s": 0.0, "wait_s": 0.0,
+                      # admissions by how they ran (admit.py): eager at exact sizes, packed eagerly, from a graph
+                      "admit_plain": 0, "admit_packed": 0, "admit_replayed": 0, "admit_captured": 0}
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         compile = (cuda if compile is None else compile) and not exact
         self.step = DecodeStep(self.decoder, self.state, compile, graphs, self._stream, self.notes,
@@ -280,8 +282,7 @@ class FastEngine(WorkerEngine):
                     r.sampling.top_p, r.sampling.top_k, r.key, r.max_tokens, list(r.sampling.stop_token_ids))
                 for r, plan in zip(reqs, plans)]
         how = self.admit(rows, any(r.truncates for r in reqs), any(r.greedy for r in reqs))
-        if how in ("replayed", "captured"):
-            self.stats["admit_graph_" + how] += 1
+        self.stats["admit_" + how] += 1
         self.stats["prefill_tokens"] += sum(len(row.new) for row in rows)
         self.stats["requests"] += len(reqs)
         self.stats.update(self.slots.stats)
