@@ -183,7 +183,9 @@ def test_rollouts_keep_the_ledger_exact(engine, template):
     trajs = run(run_batch(loop, tasks, 2, concurrency=6))
     for t in trajs:
         t.check()
-        assert t.parity == "exact", t.metrics.get("parity_detail")
+        # token_drift: at temperature 0.8 the policy may sample a split the tokenizer would spell otherwise (the
+        # ledger keeps the sampled ids; the text is the same); seen once in a full run of tests/engines
+        assert t.parity in ("exact", "token_drift"), t.metrics.get("parity_detail")
         assert not [e for e in t.errors if e.kind in ("engine", "internal")], t.errors
     assert sum(len(t.turns) for t in trajs) > len(trajs)  # some went past one turn (tool calls)
 
