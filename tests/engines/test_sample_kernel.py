@@ -36,7 +36,9 @@ def test_the_kernels_sample_what_the_torch_sampler_samples(interpreted, dtype):
     ref_tokens, ref_logprobs = reference(logits, temperature, key, counter)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert tokens.tolist() == ref_tokens.tolist()
-    assert (logprobs - ref_logprobs).abs().max() < 1e-5
+    # float32 sums of ~8k weights in another order (the kernel's blocks against torch's, whose order follows its
+    # thread count): 3.8e-5 apart on a clean-clone CI run, under 1e-5 in others
+    assert (logprobs - ref_logprobs).abs().max() < 1e-4
 
 
 @pytest.mark.skipif(triton_missing, reason="needs triton (its interpreter runs on the CPU)")
