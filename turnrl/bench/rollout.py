@@ -205,7 +205,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'load':>5}"]
     for run in report["runs"]:
         m, o = run["multi_turn"], run["offline"]
-        lines.append(f"{run['repeat']:>5}{'w' if run.get('warmup') else ' '} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
+        mark = "w" if run.get("warmup") else " "
+        lines.append(f"{run['repeat']:>5}{mark} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
                      f"{run['ratio']:>6.3f} {m['seconds']:>8.1f} {o['seconds']:>9.1f} {m['policy_tokens']:>10} "
                      f"{m['prompt_tokens']:>10} {m['turns_per_trajectory']:>10.2f} {m['tool_calls']:>6} "
                      f"{m['loop_cpu_s'] / m['seconds']:>8.1%} {run['loadavg_1m']:>5.1f}")
