@@ -3,6 +3,7 @@ function (captured as CUDA graphs on the GPU) answer exactly as the plain admiss
 prefix cache, for every sampling variant; padded rows only touch the spare slot."""
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -18,6 +19,19 @@ from tests.engines.test_fast_prefix import gen as gen_each
 
 def gen(engine, requests):
     return gen_each(engine, *requests)
+
+
+@contextlib.contextmanager
+def packed_and_plain(**kwargs):
+    """Two CPU engines on one tiny-random model, float32: admissions packed (eager) and plain."""
+    model = AutoModelForCausalLM.from_pretrained(prepare("tiny-random"), dtype=torch.float32)
+    pair = [FastEngine("", device="cpu", dtype="float32", model=model, packed_admissions=on, **kwargs)
+            for on in (True, False)]
+    try:
+        yield pair
+    finally:
+        for engine in pair:
+            asyncio.run(engine.close())
 
 
 def test_buckets():
@@ -44,56 +58,43 @@ def requests(first_outs=None):
 
 @pytest.mark.parametrize("cache", [True, False])
 def test_packed_admissions_answer_as_plain_ones(torch_threads, cache):
-    with torch_threads(1):
-        model = AutoModelForCausalLM.from_pretrained(prepare("tiny-random"), dtype=torch.float32)
-        packed, plain = (FastEngine("", device="cpu", dtype="float32", model=model, max_batch_size=16, max_len=256,
-                                    gather_ms=30, prefix_cache=cache, packed_admissions=on) for on in (True, False))
-        try:
-            assert packed.admit.packed and not plain.admit.packed
-            spare = packed.admit.spare
-            assert spare == 16 and packed.state.count[spare] == 0
-            outs = gen(packed, requests())
-            for a, b in zip(outs, gen(plain, requests())):
-                same(a, b)
-            assert packed.state.count[spare] == 1          # padded rows wrote the spare slot, only it
-            assert len({len(o.token_ids) for o in outs}) == 1 and len(outs[0].token_ids) == 10
-            later = requests(outs)
-            outs2 = gen(packed, later)
-            for a, b in zip(outs2, gen(plain, later)):
-                same(a, b)
-            assert len(outs2[-1].token_ids) == 1 and outs2[-1].finish_reason == "length"
-            answer = outs[0].token_ids
-            assert (outs2[-3].token_ids, outs2[-3].finish_reason) == (answer[:1], "stop")
-            assert outs2[-2].finish_reason == "stop" and outs2[-2].token_ids == answer[:len(outs2[-2].token_ids)]
-            assert len(outs2[-2].token_ids) > 1
-            assert packed.stats["admit_packed"] > 0 and packed.stats["admit_plain"] == 0
-            assert plain.stats["admit_plain"] > 0 and plain.stats["admit_packed"] == 0
-            if cache:
-                assert packed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
-                assert packed.stats["prefix_hit_tokens"] > 0
-        finally:
-            for engine in (packed, plain):
-                asyncio.run(engine.close())
+    with torch_threads(1), packed_and_plain(max_batch_size=16, max_len=256, gather_ms=30,
+                                            prefix_cache=cache) as (packed, plain):
+        assert packed.admit.packed and not plain.admit.packed
+        spare = packed.admit.spare
+        assert spare == 16 and packed.state.count[spare] == 0
+        outs = gen(packed, requests())
+        for a, b in zip(outs, gen(plain, requests())):
+            same(a, b)
+        assert packed.state.count[spare] == 1          # padded rows wrote the spare slot, only it
+        assert len({len(o.token_ids) for o in outs}) == 1 and len(outs[0].token_ids) == 10
+        later = requests(outs)
+        outs2 = gen(packed, later)
+        for a, b in zip(outs2, gen(plain, later)):
+            same(a, b)
+        assert len(outs2[-1].token_ids) == 1 and outs2[-1].finish_reason == "length"
+        answer = outs[0].token_ids
+        assert (outs2[-3].token_ids, outs2[-3].finish_reason) == (answer[:1], "stop")
+        assert outs2[-2].finish_reason == "stop" and outs2[-2].token_ids == answer[:len(outs2[-2].token_ids)]
+        assert len(outs2[-2].token_ids) > 1
+        assert packed.stats["admit_packed"] > 0 and packed.stats["admit_plain"] == 0
+        assert plain.stats["admit_plain"] > 0 and plain.stats["admit_packed"] == 0
+        if cache:
+            assert packed.stats["prefill_tokens"] == plain.stats["prefill_tokens"]
+            assert packed.stats["prefix_hit_tokens"] > 0
 
 
 def test_a_bucket_over_the_budget_is_admitted_at_its_exact_size(torch_threads):
     # prefill_tokens 8: packed buckets hold 32 tokens at most, so a 40-token prompt (a 64-wide bucket) goes plain
-    with torch_threads(1):
-        model = AutoModelForCausalLM.from_pretrained(prepare("tiny-random"), dtype=torch.float32)
-        packed, plain = (FastEngine("", device="cpu", dtype="float32", model=model, max_batch_size=4, max_len=128,
-                                    prefill_tokens=8, packed_admissions=on) for on in (True, False))
-        try:
-            asks = [(PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))]
-            for a, b in zip(gen(packed, asks), gen(plain, asks)):
-                same(a, b)
-            assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 0)
-            asks = [([5, 6, 7], Sampling(max_tokens=5, temperature=1.0, seed=2))]
-            for a, b in zip(gen(packed, asks), gen(plain, asks)):
-                same(a, b)
-            assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 1)
-        finally:
-            for engine in (packed, plain):
-                asyncio.run(engine.close())
+    with torch_threads(1), packed_and_plain(max_batch_size=4, max_len=128, prefill_tokens=8) as (packed, plain):
+        asks = [(PROMPT, Sampling(max_tokens=5, temperature=1.0, seed=1))]
+        for a, b in zip(gen(packed, asks), gen(plain, asks)):
+            same(a, b)
+        assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 0)
+        asks = [([5, 6, 7], Sampling(max_tokens=5, temperature=1.0, seed=2))]
+        for a, b in zip(gen(packed, asks), gen(plain, asks)):
+            same(a, b)
+        assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 1)
 
 
 def test_packed_admissions_refuse_the_exact_engine(torch_threads):
