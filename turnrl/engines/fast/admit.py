@@ -53,6 +53,12 @@ class Row:
     stop: list[int]           # stop token ids, at most max_stop
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`: through pinned memory, without waiting for the copy, on a GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
 def bucket(n: int, least: int = 1) -> int:
     """Padded sizes: powers of two from `least`. Coarse on purpose: every new bucket costs a capture (~0.1 s on an
     H100), and the rows a later turn's admission finds queued vary from one turn to the next."""
@@ -75,10 +81,10 @@ class Admit:
         self.packed = (graphs if packed is None else packed) and not decoder.exact
         self.use_graphs = graphs and self.packed
         self.spare = state.rows.shape[0] - 1         # the slot padded rows write
-        self.max_tokens = MAX_BUCKET_FACTOR * prefill_tokens
+        self.max_bucket_tokens = MAX_BUCKET_FACTOR * prefill_tokens
         self.max_rows = bucket(self.spare)
         device = decoder.embed.device
-        self.ints = torch.zeros(self.max_tokens + self.max_rows * (FIELDS + max_stop), dtype=torch.int64,
+        self.ints = torch.zeros(self.max_bucket_tokens + self.max_rows * (FIELDS + max_stop), dtype=torch.int64,
                                 device=device) if self.packed else None
         self.floats = torch.zeros(2 * self.max_rows, dtype=torch.float32, device=device) if self.packed else None
         self.graphs: dict[tuple[int, int, int, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -92,7 +98,7 @@ class Admit:
             return "plain"
         n, w = bucket(len(rows)), min(bucket(width, 16), self.decoder.max_len)
         t = min(bucket(total, KV_BUCKET), self.decoder.max_len)
-        if n * w > self.max_tokens or n > self.max_rows:
+        if n * w > self.max_bucket_tokens or n > self.max_rows:
             self.plain(rows, width, total, truncate, greedy)
             return "plain"
         self._stage(rows, n, w)
@@ -149,10 +155,10 @@ class Admit:
 
     # -- plain ---------------------------------------------------------------------------------------------
     def plain(self, rows: list[Row], width: int, total: int, truncate: bool, greedy: bool) -> None:
+        device = self.state.rows.device
+
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(values, dtype=dtype)
-            device = self.state.rows.device
-            return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+            return to_device(values, dtype, device)
         ids = tensor([r.new + [0] * (width - len(r.new)) for r in rows], torch.int64)
         lengths = tensor([len(r.new) for r in rows], torch.int64)
         starts = tensor([r.start for r in rows], torch.int64) if any(r.start for r in rows) else None

@@ -42,7 +42,7 @@ from typing import Any, Iterable
 import torch
 
 from turnrl.engines.base import Capabilities, Completion, EngineError, Sampling
-from turnrl.engines.fast.admit import Admit, Row
+from turnrl.engines.fast.admit import Admit, Row, to_device
 from turnrl.engines.fast.decoder import SlotDecoder
 from turnrl.engines.fast.sampling import seed_key
 from turnrl.engines.fast.slots import Plan, SlotTable
@@ -260,10 +260,7 @@ class FastEngine(WorkerEngine):
         return True
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def _admit(self, reqs: list[_Request], reuse: bool = True) -> None:
         """Prefill new requests into their planned slots (only what the slot does not hold yet) and sample
