@@ -11,8 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from turnrl.engines.base import Sampling
 from turnrl.engines.fast import FastEngine
-import turnrl.engines.fast.admit as admit
-from turnrl.engines.fast.admit import bucket, padding_pays
+from turnrl.engines.fast.admit import bucket
 from turnrl.models import prepare
 from tests.engines.test_fast_prefix import DELTA, PROMPT, same
 from tests.engines.test_fast_prefix import gen as gen_each
@@ -33,12 +32,6 @@ def packed_and_plain(**kwargs):
     finally:
         for engine in pair:
             asyncio.run(engine.close())
-
-
-@pytest.fixture
-def any_padding(monkeypatch):
-    """Every bucket is packed however much it pads: the equality tests cover the packed arithmetic, not the policy."""
-    monkeypatch.setattr(admit, "MIN_PADDING", 1 << 30)
 
 
 def test_buckets():
@@ -64,7 +57,7 @@ def requests(first_outs=None):
 
 
 @pytest.mark.parametrize("cache", [True, False])
-def test_packed_admissions_answer_as_plain_ones(torch_threads, any_padding, cache):
+def test_packed_admissions_answer_as_plain_ones(torch_threads, cache):
     with torch_threads(1), packed_and_plain(max_batch_size=16, max_len=256, gather_ms=30,
                                             prefix_cache=cache) as (packed, plain):
         assert packed.admit.packed and not plain.admit.packed
@@ -104,25 +97,6 @@ def test_a_bucket_over_the_budget_is_admitted_at_its_exact_size(torch_threads):
         assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == (1, 1)
 
 
-def test_padding_pays_only_within_its_share_or_a_few_hundred_tokens():
-    assert padding_pays(16, 3) and padding_pays(512 + 100, 100)          # small: the launches dominate
-    assert not padding_pays(513 + 100, 100)
-    assert padding_pays(5000, 4000) and not padding_pays(5001 + 512, 4000)   # 25% of the plain admission
-    assert padding_pays(8192, 8192)
-
-
-def test_an_admission_whose_bucket_pads_too_much_is_admitted_plain(torch_threads):
-    # 5 rows of 130 tokens: plain computes 5 x 130 = 650 tokens, the bucket 8 x 256 = 2,048 (1,398 more than 512
-    # and than a quarter of 650); 3 rows of 3 tokens: 4 x 16 = 64, within the 512 tokens
-    long = [([400 + i] + list(range(10, 139)), Sampling(max_tokens=4, temperature=1.0, seed=i)) for i in range(5)]
-    short = [([5 + i, 6, 7], Sampling(max_tokens=4, temperature=1.0, seed=9 + i)) for i in range(3)]
-    with torch_threads(1), packed_and_plain(max_batch_size=8, max_len=256, gather_ms=30) as (packed, plain):
-        for asks, counts in ((long, (1, 0)), (short, (1, 1))):
-            for a, b in zip(gen(packed, asks), gen(plain, asks)):
-                same(a, b)
-            assert (packed.stats["admit_plain"], packed.stats["admit_packed"]) == counts
-
-
 def test_packed_admissions_refuse_the_exact_engine(torch_threads):
     with torch_threads(1):
         model = AutoModelForCausalLM.from_pretrained(prepare("tiny-random"), dtype=torch.float32)
@@ -134,7 +108,7 @@ def test_packed_admissions_refuse_the_exact_engine(torch_threads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cache", [False, True])
-def test_gpu_admission_graphs_answer_as_plain_admissions(any_padding, cache):
+def test_gpu_admission_graphs_answer_as_plain_admissions(cache):
     from tests.engines.test_fast import shape_model
     model = shape_model(torch.float32)
     graphs, plain = (FastEngine("", device="cuda", dtype="float32", model=model, max_batch_size=32, max_len=512,

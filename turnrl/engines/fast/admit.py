@@ -15,15 +15,9 @@ Two ways, the same arithmetic:
   more than the batch), which no decode step reads; a real row's padded positions land past its end, where its
   own decode writes go before anything reads them.
 
-Padding costs device time, launches cost host time. On an H100 the offline phase of the multi-turn bench (24
-admissions of ~3,800 new tokens) took 1.5-1.9 s packed against 1.2-1.6 s plain: large admissions are bound by the
-device, where the padding is paid and the launches hide. So an admission runs plain
-where its bucket would compute more than `MAX_PADDING` more tokens than the plain admission's rows x longest
-row, unless the excess is under `MIN_PADDING` tokens (small admissions, where the launches dominate).
-
 Graphs share the decode step's memory pool: they run on the worker's one stream, never at once, and keep
-nothing in it (their results go to the preallocated state and cache). Past `MAX_GRAPHS` variants the packed path
-runs eagerly; a bucket over `MAX_BUCKET_FACTOR` x `prefill_tokens` padded tokens is admitted plain.
+nothing in it (their results go to the preallocated state and cache). Past `MAX_GRAPHS` variants, or for a
+bucket over `MAX_BUCKET_FACTOR` x `prefill_tokens` padded tokens, the packed path runs eagerly.
 """
 
 from __future__ import annotations
@@ -41,8 +35,6 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 64           # captured admission variants at most; later new buckets run eagerly
 MAX_BUCKET_FACTOR = 4     # a packed bucket's rows x width at most this many times prefill_tokens
-MAX_PADDING = 0.25        # a packed bucket computes at most this share more tokens than the plain admission ...
-MIN_PADDING = 512         # ... or this many padded tokens more, whichever is larger
 FIELDS = 7                # int64 columns before the stop ids and the tokens (see `Row`)
 
 
@@ -76,11 +68,6 @@ def bucket(n: int, least: int = 1) -> int:
     return size
 
 
-def padding_pays(bucket_tokens: int, plain_tokens: int) -> bool:
-    """Whether a packed bucket of `bucket_tokens` is worth it against a plain admission of `plain_tokens`."""
-    return bucket_tokens - plain_tokens <= max(MIN_PADDING, MAX_PADDING * plain_tokens)
-
-
 class Admit:
     """Runs admissions (see the module docstring); `packed` None: packed where CUDA graphs run."""
 
@@ -111,7 +98,7 @@ class Admit:
             return "plain"
         n, w = bucket(len(rows)), min(bucket(width, 16), self.decoder.max_len)
         t = min(bucket(total, KV_BUCKET), self.decoder.max_len)
-        if n * w > self.max_bucket_tokens or n > self.max_rows or not padding_pays(n * w, len(rows) * width):
+        if n * w > self.max_bucket_tokens or n > self.max_rows:
             self.plain(rows, width, total, truncate, greedy)
             return "plain"
         self._stage(rows, n, w)
