@@ -143,6 +143,7 @@ def test_the_config_switch_reaches_the_engine(torch_threads, monkeypatch):
             seen.update(kwargs)
             super().__init__(*args, **kwargs)
     monkeypatch.setattr(fast, "FastEngine", Recording)
+    assert EngineConfig().fast_admission_graphs is False     # off by default: README "Admissions as CUDA graphs"
     for on, passed in ((True, None), (False, False)):
         cfg = EngineConfig(kind="hf", fast="on", device="cpu", dtype="float32", max_batch_size=2, max_model_len=128,
                            fast_admission_graphs=on)

@@ -69,8 +69,10 @@ class EngineConfig:
     fast_prefix_cache: bool = False      # hf fast engine: later turns continue their parked slot, groups copy the
     #                                      prompt KV (9x fewer prefilled tokens, but 0.84x multi-turn tok/s on the
     #                                      H200's short-context bench: README "Prefix cache in the fast engine")
-    fast_admission_graphs: bool = True   # hf fast engine with CUDA graphs: admissions padded to buckets, one
-    #                                      graph launch each (turnrl/engines/fast/admit.py); false: eager, exact sizes
+    fast_admission_graphs: bool = False  # hf fast engine with CUDA graphs: admissions padded to buckets, one
+    #                                      graph launch each (turnrl/engines/fast/admit.py); off by default: on H100s
+    #                                      the padding slowed the offline phase ~0.3 s and the multi-turn one did
+    #                                      not gain (README "Admissions as CUDA graphs"); false: eager, exact sizes
     exact: bool = False                  # hf: engine and trainer logprobs equal bit for bit, tokens independent of
     #                                      the batch (batch-invariant forward of turnrl/exact; slot engine, eager)
     partial_rollout: bool = False        # with trainer.async_rollout: a weight sync interrupts the requests in

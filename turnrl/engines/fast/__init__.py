@@ -23,14 +23,15 @@ __all__ = ["FastEngine", "build_hf_engine", "unsupported_reason"]
 def build_hf_engine(model_path: str, fast: Literal["auto", "on", "off"], device: str, dtype: str,
                     max_batch_size: int, max_len: int, gather_ms: float, seed: int, prefix_cache_tokens: int = 0,
                     exact: bool = False, fast_prefix_cache: bool = False, partial_rollout: bool = False,
-                    admission_graphs: bool = True) -> Any:
+                    admission_graphs: bool = False) -> Any:
     """The embedded engine: FastEngine where `fast` asks for it and the model allows, else HFEngine.
 
     auto: the fast engine on a CUDA device for supported models (Llama, Qwen2/3, Mistral), HFEngine otherwise;
     on: the fast engine on any device (eager on the CPU), an error for unsupported models; off: HFEngine.
     exact: the fast engine on any device with the trainer's batch-invariant forward (turnrl/exact).
     prefix_cache_tokens: the plain engine's prefix cache budget; fast_prefix_cache: the fast engine's (its slots).
-    admission_graphs: False keeps the fast engine's admissions eager at their exact sizes (admit.py).
+    admission_graphs: True packs the fast engine's admissions into buckets, as CUDA graphs where they run; False
+    keeps them eager at their exact sizes (admit.py).
     partial_rollout: a weight update interrupts the running requests (turnrl/engines/resume.py)."""
     from transformers import AutoModelForCausalLM
 

@@ -112,7 +112,7 @@ class FastEngine(WorkerEngine):
                  compile: bool | None = None, cuda_graphs: bool | None = None, prefill_tokens: int = 16384,
                  max_stop_ids: int = 8, max_inflight: int = 4, exact: bool = False, prefix_cache: bool = False,
                  partial_rollout: bool = False, fused_sampling: bool | None = None, fused_rope: bool | None = None,
-                 packed_admissions: bool | None = None):
+                 packed_admissions: bool | None = False):
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
