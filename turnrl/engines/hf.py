@@ -15,6 +15,7 @@ in the batch, up to float noise. Logprobs are log softmax(logits / temperature) 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable
@@ -24,10 +25,13 @@ import torch
 
 from turnrl.engines.base import Capabilities, Completion, Delta, EngineError, Sampling
 from turnrl.engines.cpu_attention import use_decode_attention
+from turnrl.engines.cpu_decode import lean_decode
 from turnrl.engines.cpu_head import use_cpu_head
 from turnrl.engines.growing_cache import GrowingLayer, grow_in_place
 from turnrl.engines.prefix_cache import Entry, PrefixCache
 from turnrl.engines.worker import Listener, WorkerEngine, stream_through
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,6 +120,10 @@ class HFEngine(WorkerEngine):
         if self.device.type == "cpu":
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
             use_cpu_head(self.model)          # and linear is slow for a decode step with 7-15 rows of logits
+        # on the CPU, decode steps without transformers' module machinery where that is bit-identical (cpu_decode.py)
+        self.lean, why = lean_decode(self.model, self._new_cache) if self.device.type == "cpu" else (None, "")
+        if why:
+            log.info("hf engine: decode steps through the model's forward: %s", why)
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
         self.partial_rollout = partial_rollout
@@ -224,8 +232,6 @@ class HFEngine(WorkerEngine):
 
     def _forward(self, prompts: list[list[int]], hits: list[tuple[Entry | None, int]]) -> "_Batch":
         """One forward over the uncached suffixes, each row laid out [pad][cached prefix][pad][suffix]."""
-        from transformers import DynamicCache
-
         reuse = [m for _, m in hits]
         wp = max(reuse)
         ws = max(len(p) - m for p, m in zip(prompts, reuse))
@@ -236,7 +242,7 @@ class HFEngine(WorkerEngine):
             attn[i, wp - m:wp] = 1
             attn[i, wp + ws - (len(p) - m):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        cache = grow_in_place(DynamicCache(config=self.model.config))
+        cache = self._new_cache()
         if wp > 0:
             template = next(e for e, m in hits if m > 0)
             _fill(cache, lambda li, kind: torch.cat([_prefix_rows(e, m, li, kind, wp, template) for e, m in hits]))
@@ -252,14 +258,22 @@ class HFEngine(WorkerEngine):
                 self.prefix.store(batch.entry(i, p, batch.logits[i].clone()))
         return batch
 
+    def _new_cache(self) -> Any:
+        """An empty KV cache whose layers append in place (growing_cache.py)."""
+        from transformers import DynamicCache
+        return grow_in_place(DynamicCache(config=self.model.config))
+
     def _decode_step(self, batch: "_Batch") -> "_Batch":
         attn = torch.cat([batch.attn, torch.ones((len(batch.reqs), 1), dtype=torch.long, device=self.device)], 1)
         pos = attn.sum(1, keepdim=True) - 1
-        out = self.model(input_ids=batch.last.unsqueeze(1), attention_mask=attn, position_ids=pos,
-                         past_key_values=batch.cache, use_cache=True)
+        if self.lean is not None:
+            logits = self.lean(batch.last, pos[:, 0], attn, batch.cache)
+        else:
+            logits = self.model(input_ids=batch.last.unsqueeze(1), attention_mask=attn, position_ids=pos,
+                                past_key_values=batch.cache, use_cache=True).logits[:, -1, :]
         batch.attn = attn
         self.stats["decode_steps"] += 1
-        self._append_samples(batch, out.logits[:, -1, :].float())
+        self._append_samples(batch, logits.float())
         return batch
 
     def _append_samples(self, batch: "_Batch", logits: torch.Tensor) -> None:
