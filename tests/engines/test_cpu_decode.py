@@ -82,3 +82,19 @@ def test_a_step_that_differs_from_the_forward_is_refused(torch_threads, monkeypa
         lean, why = cpu_decode.lean_decode(e.model, e._new_cache)
         asyncio.run(e.close())
     assert lean is None and "differ" in why and e.lean is None
+
+
+def test_weight_updates_reach_the_lean_step(torch_threads):
+    async def updated(e):
+        name, weight = next((n, p) for n, p in e.model.named_parameters() if n.endswith("layers.0.mlp.up_proj.weight"))
+        await e.update_weights([(name, weight * 1.5)], version=1)
+        return await asyncio.gather(*(e.generate(p, s) for p, s in asks()))
+
+    with torch_threads(1):
+        lean, plain = engine(), engine(lean=False)
+        before = run(engine(), asks())
+        a, b = asyncio.run(updated(lean)), asyncio.run(updated(plain))
+        for e in (lean, plain):
+            asyncio.run(e.close())
+    assert [x.logprobs for x in a] == [y.logprobs for y in b]
+    assert [x.logprobs for x in a] != [y.logprobs for y in before]     # the update changed what the step computes
