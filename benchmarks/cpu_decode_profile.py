@@ -63,10 +63,10 @@ def products(rows: int, repeats: int = 5) -> dict[str, float]:
 
 
 def decode_profile(rows: int, context: int, steps: int) -> dict:
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
     from turnrl.engines.cpu_attention import use_decode_attention
-    from turnrl.engines.growing_cache import grow_in_place
+    from turnrl.engines.hf import new_cache
     from turnrl.models import resolve
 
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def decode_profile(rows: int, context: int, steps: int) -> dict:
     model = model.eval().requires_grad_(False)
     use_decode_attention(model)
     cfg = model.config
-    cache = grow_in_place(DynamicCache(config=cfg))
+    cache = new_cache(cfg)
     attn = torch.ones(rows, context, dtype=torch.long)
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, cfg.vocab_size, (rows, context)), attention_mask=attn,

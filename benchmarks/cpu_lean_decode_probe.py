@@ -31,10 +31,8 @@ def load():
 
 
 def prefilled(model, prompt: torch.Tensor, attn: torch.Tensor):
-    from transformers import DynamicCache
-
-    from turnrl.engines.growing_cache import grow_in_place
-    cache = grow_in_place(DynamicCache(config=model.config))
+    from turnrl.engines.hf import new_cache
+    cache = new_cache(model.config)
     out = model(input_ids=prompt, attention_mask=attn, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1].argmax(-1)
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 import turnrl.engines.cpu_decode as cpu_decode
 from turnrl.engines.base import Sampling
-from turnrl.engines.hf import HFEngine
+from turnrl.engines.hf import HFEngine, new_cache
 from turnrl.models import resolve
 
 
@@ -79,7 +79,7 @@ def test_a_step_that_differs_from_the_forward_is_refused(torch_threads, monkeypa
     monkeypatch.setattr(cpu_decode.LeanDecode, "__call__", lambda self, *a: step(self, *a) * (1 + 1e-6))
     with torch_threads(1):
         e = engine()
-        lean, why = cpu_decode.lean_decode(e.model, e._new_cache)
+        lean, why = cpu_decode.lean_decode(e.model, lambda: new_cache(e.model.config))
         asyncio.run(e.close())
     assert lean is None and "differ" in why and e.lean is None
 

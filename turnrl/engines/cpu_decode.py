@@ -87,8 +87,7 @@ def unsupported(model: Any) -> str:
             or getattr(cfg, "pretraining_tp", 1) != 1:
         return "its MLP is not a plain SwiGLU"
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or (
-            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
-            and cfg.model_type == "mistral"):
+            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
         return "it has sliding-window attention"
     layer = body.layers[0]
     if hasattr(layer.self_attn, "q_norm") or not hasattr(layer.self_attn, "scaling"):
@@ -106,7 +105,7 @@ def lean_decode(model: Any, cache_factory: Any) -> tuple[LeanDecode | None, str]
     device = next(model.parameters()).device
     prompt = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]], device=device)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], device=device)
-    positions = (mask.sum(1) - 1)
+    positions = mask.sum(1) - 1
     logits = []
     with torch.no_grad():
         for use_lean in (False, True):

@@ -121,7 +121,8 @@ class HFEngine(WorkerEngine):
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
             use_cpu_head(self.model)          # and linear is slow for a decode step with 7-15 rows of logits
         # on the CPU, decode steps without transformers' module machinery where that is bit-identical (cpu_decode.py)
-        self.lean, why = lean_decode(self.model, self._new_cache) if self.device.type == "cpu" else (None, "")
+        self.lean, why = (lean_decode(self.model, lambda: new_cache(self.model.config)) if self.device.type == "cpu"
+                          else (None, ""))
         if why:
             log.info("hf engine: decode steps through the model's forward: %s", why)
         self.max_batch_size = max_batch_size
@@ -242,7 +243,7 @@ class HFEngine(WorkerEngine):
             attn[i, wp - m:wp] = 1
             attn[i, wp + ws - (len(p) - m):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        cache = self._new_cache()
+        cache = new_cache(self.model.config)
         if wp > 0:
             template = next(e for e, m in hits if m > 0)
             _fill(cache, lambda li, kind: torch.cat([_prefix_rows(e, m, li, kind, wp, template) for e, m in hits]))
@@ -257,11 +258,6 @@ class HFEngine(WorkerEngine):
             for i, p in enumerate(prompts):
                 self.prefix.store(batch.entry(i, p, batch.logits[i].clone()))
         return batch
-
-    def _new_cache(self) -> Any:
-        """An empty KV cache whose layers append in place (growing_cache.py)."""
-        from transformers import DynamicCache
-        return grow_in_place(DynamicCache(config=self.model.config))
 
     def _decode_step(self, batch: "_Batch") -> "_Batch":
         attn = torch.cat([batch.attn, torch.ones((len(batch.reqs), 1), dtype=torch.long, device=self.device)], 1)
@@ -382,6 +378,12 @@ def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim)
 
 
+def new_cache(config: Any) -> Any:
+    """An empty KV cache for `config` whose layers append in place (growing_cache.py)."""
+    from transformers import DynamicCache
+    return grow_in_place(DynamicCache(config=config))
+
+
 def _plain_cache(model: Any) -> bool:
     """The prefix cache needs every layer's KV as a plain growing tensor (no sliding windows)."""
     from transformers import DynamicCache
@@ -408,10 +410,8 @@ def _prefix_rows(entry: Entry | None, reuse: int, layer: int, kind: str, width: 
 
 def _stack_entries(entries: list[Entry], config: Any) -> _Batch:
     """A batch of exact prefix-cache hits: their KV left-padded together, their stored next-token logits."""
-    from transformers import DynamicCache
-
     width = max(len(e) for e in entries)
-    cache = grow_in_place(DynamicCache(config=config))
+    cache = new_cache(config)
     device = entries[0].keys[0].device
     attn = torch.cat([_left_pad(torch.ones((1, len(e)), dtype=torch.long, device=device), width) for e in entries])
     _fill(cache, lambda li, kind: torch.cat([_left_pad(getattr(e, kind)[li].unsqueeze(0), width) for e in entries]))

@@ -20,8 +20,8 @@ of the multi-turn bench, packed graphs took its offline phase from 1.22-1.30 s t
 padding is paid on the device, where large admissions are bound) and did not speed up its multi-turn phase.
 
 Graphs share the decode step's memory pool: they run on the worker's one stream, never at once, and keep
-nothing in it (their results go to the preallocated state and cache). Past `MAX_GRAPHS` variants, or for a
-bucket over `MAX_BUCKET_FACTOR` x `prefill_tokens` padded tokens, the packed path runs eagerly.
+nothing in it (their results go to the preallocated state and cache). Past `MAX_GRAPHS` variants the packed path
+runs eagerly; a bucket over `MAX_BUCKET_FACTOR` x `prefill_tokens` padded tokens is admitted plain.
 """
 
 from __future__ import annotations
