@@ -174,3 +174,12 @@ def pytest_pyfunc_call(pyfuncitem):
         pytest.fail(f"{pyfuncitem.nodeid} failed under Triton's interpreter (a fresh Python):\n"
                     f"{done.stdout[-6000:]}{done.stderr[-2000:]}", pytrace=False)
     return True
+
+
+@pytest.fixture(autouse=True)
+def _collectable_heap():
+    """Engines freeze the heap when built (engine.gc_freeze): make it collectable again after each test, so one
+    test process running hundreds of them keeps freeing what they leave."""
+    yield
+    import gc
+    gc.unfreeze()

@@ -1,5 +1,5 @@
 """One line per repeat of `turnrl bench rollout` JSON files: both phases' wall time, the ratio, and the fast engine's
-admission and wait counters (engine_stats), so A/B runs read side by side.
+admission and wait counters (engine_stats) and garbage-collection pauses, so A/B runs read side by side.
 
     python benchmarks/fast_prefix/summarize.py runs/fast_prefix/*.json
 """
@@ -24,9 +24,16 @@ def lines(path: Path) -> list[str]:
                    f"admit {m.get('admit_s', 0):.3f} s wait {m.get('wait_s', 0):.3f} s busy {m.get('busy_s', 0):.3f} s "
                    f"graphs +{m.get('admit_captured', m.get('admit_graph_captured', 0))}/"
                    f"{m.get('admit_replayed', m.get('admit_graph_replayed', 0))} "
-                   f"loop cpu {multi.get('loop_cpu_s', 0):.2f} s | offline: {o.get('admissions', 0):>3} admissions "
-                   f"admit {o.get('admit_s', 0):.3f} s")
+                   f"loop cpu {multi.get('loop_cpu_s', 0):.2f} s{_gc(multi)} | offline: {o.get('admissions', 0):>3} "
+                   f"admissions admit {o.get('admit_s', 0):.3f} s{_gc(offline)}")
     return out
+
+
+def _gc(phase: dict) -> str:
+    """Garbage-collection pauses in the phase: all of them, and the full collections (files from before the
+    counter have none)."""
+    gc = phase.get("gc")
+    return f" gc {gc['time/gc_pause_s']:.3f} s ({gc['gc/full_collections']} full)" if gc else ""
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from turnrl.config.schema import EngineConfig, RolloutConfig
 from turnrl.data import Task
 from turnrl.engines.base import Engine, Sampling
 from turnrl.ledger import Source, Trajectory
+from turnrl.observe.gc_heap import freeze_heap, gc_pauses
 from turnrl.rollout.factory import build_engine, build_environment, build_loop, load_template
 from turnrl.rollout.scheduler import run_batch
 
@@ -61,15 +62,19 @@ async def bench_rollout(model_dir: str | Path, engine_cfg: EngineConfig, rollout
     try:
         await _warm_up(engine, template.encode("Hello, how are you today?"))
         for r in range(warmup_repeats + repeats):
+            if r == warmup_repeats and warmup_repeats and engine_cfg.gc_freeze:
+                freeze_heap()   # what the warm-up compiled and captured, as a trainer does after its first step
             load = os.getloadavg()[0]
             await _reset_cache(engine)
-            before = engine_stats(engine)
+            before, gc_before = engine_stats(engine), gc_pauses().snapshot()
             multi = await _multi_turn(engine, template, env, rollout_cfg, tasks, seed)
             multi["engine_stats"], before = delta(engine_stats(engine), before), engine_stats(engine)
+            multi["gc"], gc_before = gc_pauses().since(gc_before), gc_pauses().snapshot()
             multi["prefill"] = prefill_accounting(multi["trajectories"], multi["engine_stats"].get("prefill_tokens"))
             await _reset_cache(engine)
             offline = await _offline(engine, multi.pop("trajectories"), rollout_cfg.sampling.temperature, seed)
             offline["engine_stats"] = delta(engine_stats(engine), before)
+            offline["gc"] = gc_pauses().since(gc_before)
             runs.append({"repeat": r, "warmup": r < warmup_repeats, "loadavg_1m": load,
                          "loadavg_1m_end": os.getloadavg()[0],
                          "multi_turn": multi, "offline": offline,
@@ -202,14 +207,14 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'/'.join(cfg['task_source'])}, max_tokens_per_turn={cfg['rollout']['sampling']['max_tokens_per_turn']}",
              f"{'repeat':>6} {'multi tok/s':>12} {'offline tok/s':>14} {'ratio':>6} {'multi s':>8} "
              f"{'offline s':>9} {'policy tok':>10} {'prompt tok':>10} {'turns/traj':>10} {'tools':>6} {'loop cpu':>8} "
-             f"{'load':>5}"]
+             f"{'gc s m/o':>9} {'load':>5}"]
     for run in report["runs"]:
         m, o = run["multi_turn"], run["offline"]
         mark = "w" if run.get("warmup") else " "
         lines.append(f"{run['repeat']:>5}{mark} {m['policy_tokens_per_s']:>12.1f} {o['generated_tokens_per_s']:>14.1f} "
                      f"{run['ratio']:>6.3f} {m['seconds']:>8.1f} {o['seconds']:>9.1f} {m['policy_tokens']:>10} "
                      f"{m['prompt_tokens']:>10} {m['turns_per_trajectory']:>10.2f} {m['tool_calls']:>6} "
-                     f"{m['loop_cpu_s'] / m['seconds']:>8.1%} {run['loadavg_1m']:>5.1f}")
+                     f"{m['loop_cpu_s'] / m['seconds']:>8.1%} {_gc(m)}/{_gc(o)} {run['loadavg_1m']:>5.1f}")
     warm = sum(1 for run in report["runs"] if run.get("warmup"))
     lines.append(f"  {'over repeats' + (f' (not the {warm} w)' if warm else ''):<26} {'min':>10} {'median':>10} "
                  f"{'max':>10}")
@@ -229,3 +234,9 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{', '.join(f'{k} {v}' for k, v in mach['versions'].items())}; engine startup "
                  f"{report['engine_startup_s']:.1f} s")
     return "\n".join(lines)
+
+
+def _gc(phase: dict[str, Any]) -> str:
+    """The phase's garbage-collection pause seconds (runs from before the counter show '-')."""
+    gc = phase.get("gc")
+    return f"{gc['time/gc_pause_s']:>4.2f}" if gc else "   -"

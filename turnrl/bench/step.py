@@ -67,6 +67,7 @@ async def _run(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
                          "response_tokens_mean": m["response_tokens/mean"], "turns_mean": m["turns/mean"],
                          "tool_calls": m["tool/calls"], "masked": m["masked"], "reward_mean": m["reward/mean"],
                          "accuracy": m.get("accuracy"), "engine_stats": delta(engine_stats(trainer.engine), before),
+                         "gc_pause_s": m.get("time/gc_pause_s"), "gc_full_collections": m.get("gc/full_collections"),
                          **_trajectory_figures(seen, cfg.trainer.micro_batch_tokens)})
     finally:
         trainer.logger.close()

@@ -8,9 +8,19 @@ from pathlib import Path
 
 from turnrl.config.schema import EngineConfig
 from turnrl.engines.base import Engine
+from turnrl.observe.gc_heap import freeze_heap
 
 
 def build_engine(cfg: EngineConfig, model_dir: str | Path) -> Engine:
+    """The engine `cfg` names; with `cfg.gc_freeze`, the process's heap is frozen once it is built
+    (turnrl/observe/gc_heap.py)."""
+    engine = _build(cfg, model_dir)
+    if cfg.gc_freeze:
+        freeze_heap()
+    return engine
+
+
+def _build(cfg: EngineConfig, model_dir: str | Path) -> Engine:
     if cfg.kind == "hf":
         from turnrl.engines.fast import build_hf_engine
         return build_hf_engine(str(model_dir), cfg.fast, device=cfg.device, dtype=cfg.dtype,

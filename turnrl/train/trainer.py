@@ -24,6 +24,7 @@ from turnrl.engines.hf import resolve_device, resolve_dtype
 from turnrl.engines.logs import route_engine_logs
 from turnrl.ledger import Source, Trajectory
 from turnrl.llm import close_all as close_llm_clients
+from turnrl.observe.gc_heap import freeze_heap, gc_pauses
 from turnrl.observe.metrics import generation_rows
 from turnrl.observe.progress import Progress
 from turnrl.observe.store import write_trajectories
@@ -140,6 +141,7 @@ class Trainer:
                                       cfg.reward.accuracy_part, self.out / "trajectories.jsonl",
                                       cfg.trainer.trajectories_per_step_saved)
         self.logger = open_logger(cfg, self.out)
+        self._warm = False   # a step has run in this process
 
     def _resume(self, spec: str) -> None:
         path = ckpt.find_checkpoint(spec, self.out / "checkpoints")
@@ -212,7 +214,7 @@ class Trainer:
         return trajs, time.perf_counter() - start
 
     async def train_step(self, step: int) -> dict[str, Any]:
-        t_step = time.perf_counter()
+        t_step, gc_before = time.perf_counter(), gc_pauses().snapshot()
         spent = {"rollout": 0.0, "reward": 0.0}
 
         async def sample(prompts: int) -> list[Trajectory]:
@@ -229,6 +231,10 @@ class Trainer:
         metrics.update({"lr": self.scheduler.get_last_lr()[0], "time/reward_s": t_reward,
                         "time/sync_s": await self.sync_weights(step + 1), "time/step_s": time.perf_counter() - t_step})
         metrics.update(self.engine.metrics())   # after the sync: a server engine's retries, revivals, sync bytes
+        metrics.update(gc_pauses().since(gc_before))
+        if self.cfg.engine.gc_freeze and not self._warm:   # what the first step compiled and cached stays
+            freeze_heap()
+        self._warm = True
         return metrics
 
     # -- the Placement a step uses (turnrl.train.step): the policy, its reference and critic in this process --
