@@ -60,6 +60,28 @@ def test_estimators_train(tmp_path, extra):
         assert history[-1]["kl/ref"] > 0  # the policy has moved away from the reference
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_heap_is_frozen_after_the_engine_and_the_first_step(tmp_path, freeze):
+    """engine.gc_freeze: the startup heap and what the first step made leave the collector's full collections;
+    every step reports its collection pauses."""
+    import asyncio
+    import gc
+
+    from turnrl.observe.gc_heap import gc_pauses
+
+    gc.unfreeze()
+    trainer = Trainer(tiny_config(tmp_path, "trainer.steps=2", f"engine.gc_freeze={str(freeze).lower()}"))
+    after_setup = gc.get_freeze_count()
+    assert (after_setup > 0) == freeze
+    before = gc_pauses().snapshot()
+    history = asyncio.run(trainer.run())
+    assert (gc.get_freeze_count() > after_setup) == freeze   # the second freeze, after step 1
+    for metrics in history:
+        assert metrics["time/gc_pause_s"] >= 0 and metrics["gc/full_collections"] >= 0
+    counted = gc_pauses().since(before)
+    assert sum(m["gc/collections"] for m in history) <= counted["gc/collections"]
+
+
 def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path):
     full = run(tiny_config(tmp_path / "full"))
     out = tmp_path / "killed"

@@ -214,7 +214,16 @@ class Trainer:
         return trajs, time.perf_counter() - start
 
     async def train_step(self, step: int) -> dict[str, Any]:
-        t_step, gc_before = time.perf_counter(), gc_pauses().snapshot()
+        gc_before = gc_pauses().snapshot()
+        metrics = await self._step(step)
+        metrics.update(gc_pauses().since(gc_before))
+        if self.cfg.engine.gc_freeze and not self._warm:   # what the first step compiled and cached stays; the
+            freeze_heap()                                   # step's own trajectories are gone by now
+        self._warm = True
+        return metrics
+
+    async def _step(self, step: int) -> dict[str, Any]:
+        t_step = time.perf_counter()
         spent = {"rollout": 0.0, "reward": 0.0}
 
         async def sample(prompts: int) -> list[Trajectory]:
@@ -231,10 +240,6 @@ class Trainer:
         metrics.update({"lr": self.scheduler.get_last_lr()[0], "time/reward_s": t_reward,
                         "time/sync_s": await self.sync_weights(step + 1), "time/step_s": time.perf_counter() - t_step})
         metrics.update(self.engine.metrics())   # after the sync: a server engine's retries, revivals, sync bytes
-        metrics.update(gc_pauses().since(gc_before))
-        if self.cfg.engine.gc_freeze and not self._warm:   # what the first step compiled and cached stays
-            freeze_heap()
-        self._warm = True
         return metrics
 
     # -- the Placement a step uses (turnrl.train.step): the policy, its reference and critic in this process --
