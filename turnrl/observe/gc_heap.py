@@ -2,18 +2,20 @@
 
 A process that holds torch, transformers, a model and compiled kernels tracks hundreds of thousands of Python
 objects (433k in the CPU race's training process, `benchmarks/trl_race`). CPython's full (generation 2)
-collection walks all of them while holding the GIL, so every thread stops: measured here, 136-147 ms a
-collection. The agent loop allocates many short-lived objects (token lists, messages, ledger entries) and
-triggers such collections every few seconds. On a GPU engine whose decode step takes 2-3 ms, one pause is
-dozens of lost steps at the moment all trajectories wait on it.
+collection walks all of them while holding the GIL, so every thread stops: 0.14-0.15 s a collection on the
+project's 2-core CPU, 0.27-0.31 s in the GPU rollout bench's process on an H100 machine. The agent loop allocates
+many short-lived objects (token lists, messages, ledger entries) and sets such collections off every few
+seconds. On a GPU engine whose decode step takes 2-3 ms, one pause is a hundred lost steps, and it was most of
+the spread of the multi-turn bench (README "The spread was the garbage collector").
 
 `freeze_heap()` runs a full collection and then `gc.freeze()`: every object alive at that moment (modules,
 weights' Python wrappers, compiled graphs, caches) moves to a permanent generation that later collections do
 not scan. Objects made afterwards are collected as usual. vLLM does the same after its engine starts
 (`vllm.utils.gc_utils.freeze_gc_heap`); turnrl does it once the engine is built (`engine.gc_freeze`, on by
-default) and again after the first step or warm-up, when compilation has made its long-lived objects. The cost
-is that cyclic garbage alive at a freeze is never collected (the collection just before it clears what is
-already garbage), so it is done a bounded number of times, not every step.
+default) and again after the first step or warm-up, when compilation has made its long-lived objects. The cost:
+an object alive at a freeze that later dies inside a reference cycle is never freed (reference counting still
+frees the rest, and the collection just before a freeze clears what is already garbage), so it is done twice,
+at points where little but long-lived state is alive, not every step.
 
 `GcPauses` counts collections and their pause time by generation through `gc.callbacks`; trainers and
 benchmarks read it around a phase (`since(snapshot)`), so pauses show in the metrics (`time/gc_pause_s`).
