@@ -67,6 +67,7 @@ def test_two_replicas_and_two_ranks_train_and_checkpoint(trained):
         assert m["router/requests"] >= 6 and m["router/failed"] == 0
         assert m["async/staleness"] == 0
         assert 0 <= m["straggler/tail_frac"] <= 1 and m["time/wait_rollout_s"] > 0
+        assert m["time/gc_pause_s"] >= 0 and m["gc/full_collections"] >= 0   # the driver's collection pauses
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
 
 

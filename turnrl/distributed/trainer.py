@@ -35,6 +35,7 @@ from turnrl.distributed.replicas import EngineReplica, ReplicaPool
 from turnrl.engines.router import Router
 from turnrl.distributed.sync import WeightSync, resolve_transport
 from turnrl.ledger import Source, Trajectory
+from turnrl.observe.gc_heap import freeze_heap, gc_pauses
 from turnrl.llm import close_all as close_llm_clients
 from turnrl.observe.progress import Progress
 from turnrl.rewards.collab import RolloutContext
@@ -175,8 +176,10 @@ class DistributedTrainer:
                 self.carry = CarryPool(self.cfg.data.prompts_per_step, t.carry_over, self.start_step)
             pipe: Pipeline[Rollout] = Pipeline(self._launch, self.start_step, steps, self.staleness)
             try:
+                if self.cfg.engine.gc_freeze:   # the driver runs the agent loop: its pauses stall every trajectory
+                    freeze_heap()
                 for step in range(self.start_step, steps):
-                    t_step = time.perf_counter()
+                    t_step, gc_before = time.perf_counter(), gc_pauses().snapshot()
                     rollout, version = await pipe.take(step)
                     t_wait = time.perf_counter() - t_step
                     metrics = await self.train_on(step, rollout)
@@ -188,7 +191,7 @@ class DistributedTrainer:
                     metrics.update({"time/sync_s": time.perf_counter() - t0, "time/wait_rollout_s": t_wait,
                                     "async/staleness": float(step - rollout.version),
                                     "async/in_flight": float(pipe.in_flight),
-                                    "time/step_s": time.perf_counter() - t_step})
+                                    "time/step_s": time.perf_counter() - t_step, **gc_pauses().since(gc_before)})
                     if record.add(step + 1, metrics):
                         await self.save(step + 1, self.positions.get(step + 1, self.data.position))
             finally:
