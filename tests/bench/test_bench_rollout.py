@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from turnrl.bench.rollout import format_report
 from turnrl.cli import main
 
 
@@ -35,6 +36,11 @@ def test_bench_rollout_writes_the_report(tmp_path):
         assert offline["prompt_tokens"] == multi["prompt_tokens"]
         assert run["ratio"] == pytest.approx(multi["policy_tokens_per_s"] / offline["generated_tokens_per_s"])
         assert 0 < multi["loop_cpu_s"] <= multi["process_cpu_s"] and offline["process_cpu_s"] > 0
+        for phase in (multi, offline):   # the collector's pauses in the phase (README "The spread was the ...")
+            gc = phase["gc"]
+            assert gc["gc/collections"] >= gc["gc/full_collections"] >= 0
+            assert gc["time/gc_pause_s"] >= gc["gc/full_pause_s"] >= 0
+    assert "gc s m/o" in format_report(report)
     assert report["config"]["engine"]["kind"] == "hf" and report["config"]["rollout"]["n"] == 1
     assert report["config"]["task_source"] == ["calculator"] and report["config"]["tasks"] == 2
     assert report["runs"][0]["offline"]["engine_stats"]["requests"] == report["runs"][0]["offline"]["requests"]
