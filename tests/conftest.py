@@ -178,8 +178,10 @@ def pytest_pyfunc_call(pyfuncitem):
 
 @pytest.fixture(autouse=True)
 def _collectable_heap():
-    """Engines freeze the heap when built (engine.gc_freeze): make it collectable again after each test, so one
-    test process running hundreds of them keeps freeing what they leave."""
+    """Engines freeze the heap when built (engine.gc_freeze): after a test that froze it, make it collectable
+    again and collect, so one test process running hundreds of them frees what each leaves (models included)."""
     yield
     import gc
-    gc.unfreeze()
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
