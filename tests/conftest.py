@@ -87,9 +87,13 @@ class FakeOpenAI:
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
                     status, payload, delay = fake.queue.popleft() if fake.queue else fake.default(body)
+                answered = False
                 try:
                     time.sleep(delay)
                     data = (json.dumps(payload) if isinstance(payload, dict) else payload).encode()
+                    with fake._lock:     # done before the client can see the answer and send its next request
+                        fake.in_flight -= 1
+                        answered = True
                     self.send_response(status)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(data)))
@@ -98,8 +102,9 @@ class FakeOpenAI:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout)
                 finally:
-                    with fake._lock:
-                        fake.in_flight -= 1
+                    if not answered:
+                        with fake._lock:
+                            fake.in_flight -= 1
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

@@ -118,7 +118,8 @@ def test_per_request_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(re
 
 
 def test_a_request_joining_a_running_batch_gets_the_same_tokens_as_alone(tiny):
-    long = (PROMPTS[2], Sampling(max_tokens=40, temperature=1.0, seed=11))
+    long = (PROMPTS[2], Sampling(max_tokens=200, temperature=1.0, seed=11))   # 240 of the 256 positions: a stalled
+    # event loop still submits the late request while this one decodes
     late = (PROMPTS[0], Sampling(max_tokens=8, temperature=1.0, seed=12))
     alone_long, = generate(tiny, long)
     alone_late, = generate(tiny, late)
@@ -214,11 +215,12 @@ def test_update_weights_in_place_changes_outputs_and_accepts_tied_names(tiny):
 
 def test_close_fails_requests_in_flight(torch_threads):
     with torch_threads(1):
-        engine = make_engine(prepare("tiny-random"), gather_ms=0)
+        engine = make_engine(prepare("tiny-random"), gather_ms=0, max_len=4096)
 
     async def close_while_busy():
-        task = asyncio.create_task(engine.generate(PROMPTS[0], Sampling(max_tokens=240)))
-        await asyncio.sleep(0.1)
+        task = asyncio.create_task(engine.generate(PROMPTS[0], Sampling(max_tokens=4000, stop_token_ids=())))
+        while engine.stats["decode_steps"] < 3:     # decoding, with thousands of steps to go
+            await asyncio.sleep(0.002)
         await engine.close()
         with pytest.raises(EngineError, match="engine closed"):
             await task

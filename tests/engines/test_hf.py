@@ -66,7 +66,8 @@ def test_concurrent_requests_decode_together(tiny):
 
 
 def test_a_request_joining_a_running_batch_gets_the_same_tokens_as_alone(tiny):
-    long = (PROMPTS[2], Sampling(max_tokens=40, temperature=1.0, seed=11, stop_token_ids=()))
+    long = (PROMPTS[2], Sampling(max_tokens=400, temperature=1.0, seed=11, stop_token_ids=()))   # long enough that
+    # a stalled event loop still submits the late request while this one decodes
     late = (PROMPTS[0], Sampling(max_tokens=8, temperature=1.0, seed=12, stop_token_ids=()))
     alone_long, = generate(tiny, long)
     alone_late, = generate(tiny, late)

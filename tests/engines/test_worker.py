@@ -60,8 +60,9 @@ def test_the_worker_goes_on_after_the_update_and_updates_queue_up():
         for t in updates:
             t.join(5)
         assert sorted(order) == [0, 1, 2, 3]
-        before = len(steps)
-        time.sleep(0.05)
+        before, deadline = len(steps), time.monotonic() + 5
+        while len(steps) == before and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert len(steps) > before          # the worker was not left waiting
     finally:
         stop.set()

@@ -184,7 +184,7 @@ def test_error_crash_and_bad_call_over_stdio(smol_template):
 
 
 def test_hang_times_out(smol_template, http_url):
-    hung = rollout(smol_template, {"url": http_url}, {"[case:hangs]": [call("hang"), "done"]}, timeout_s=3)[0]
+    hung = rollout(smol_template, {"url": http_url}, {"[case:hangs]": [call("hang"), "done"]}, timeout_s=10)[0]
     assert errors(hung) == [("tool_timeout", "environment")] and hung.masked and hung.termination == "eos"
 
 

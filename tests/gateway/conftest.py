@@ -82,3 +82,15 @@ def real_gateway(smol_hf_engine, smol_template):
 async def served(gateway, on_close=None):
     async with running(build_app(gateway, on_close)) as url:
         yield url
+
+
+async def decoding_settled(engine, every=0.2, within=10.0):
+    """Wait until the engine's generated-token count stops moving (a dropped request's last step may still
+    land); returns that count."""
+    tokens = engine.stats["generated_tokens"]
+    for _ in range(int(within / every)):
+        await asyncio.sleep(every)
+        now, tokens = tokens, engine.stats["generated_tokens"]
+        if now == tokens:
+            break
+    return tokens

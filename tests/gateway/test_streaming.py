@@ -14,7 +14,7 @@ from turnrl.engines import resume
 from turnrl.engines.base import Completion, Delta, EngineBase, Sampling
 from turnrl.gateway.replies import build_reply
 from turnrl.gateway.streaming import ContentStream
-from tests.gateway.conftest import CALC, served
+from tests.gateway.conftest import CALC, decoding_settled, served
 
 STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse."}]
 
@@ -136,8 +136,8 @@ def test_a_client_leaving_mid_stream_aborts_the_engine_request(real_gateway, smo
                 if smol_hf_engine.in_flight == 0:
                     break
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)   # the worker drops it at its next step (one more token may land)
-            return smol_hf_engine.in_flight, smol_hf_engine.stats["generated_tokens"]
+            tokens = await decoding_settled(smol_hf_engine)   # the worker drops it at its next step
+            return smol_hf_engine.in_flight, tokens
 
     in_flight, tokens = run(go())
     assert in_flight == 0

@@ -123,7 +123,7 @@ def environment():
              "python": tool_factory(ToolSpec(class_name="python", config={"timeout_s": 2.0, "workers": 2}))[1],
              "python_crashy": tool_factory(crashy)[1],
              "bytes_out": BytesTool, "surrogate_out": SurrogateTool, "nan_reward": NanRewardTool}
-    return Environment(tools, dict(USERS), tool_timeout_s=6.0, max_tool_response_tokens=64, interaction_timeout_s=0.5)
+    return Environment(tools, dict(USERS), tool_timeout_s=6.0, max_tool_response_tokens=64, interaction_timeout_s=3.0)
 
 
 def kill_the_crashy_worker_when_busy():

@@ -35,13 +35,17 @@ class Policy(EngineBase):
         self.template = template
         self.prompts = []
         self.in_flight = self.max_in_flight = 0
+        self.hold = 0      # > 0: a call waits (up to 5 s) until that many are in flight, then they go on together
 
     async def generate(self, prompt_ids, sampling):
         self.prompts.append(list(prompt_ids))
         number = len(self.prompts)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        await asyncio.sleep(0.05)
+        for _ in range(500 if self.hold else 5):
+            if self.hold and self.in_flight >= self.hold:
+                self.hold = 0
+            await asyncio.sleep(0.01)
         self.in_flight -= 1
         ids = self.template.encode(f"Question {number}: what is your budget?")
         ids = ids[:sampling.max_tokens - 1] + [self.template.stop_token_ids[0]]
@@ -85,6 +89,7 @@ def test_futures_share_the_prefix_run_concurrently_and_are_not_trained_on(fake_o
     assert traj.termination == "max_assistant_turns" and traj.turns[-1].user_reply == "About $500."
     ledger = [list(s.token_ids) for s in traj.segments]
     engine.prompts.clear()
+    engine.max_in_flight, engine.hold = 0, 3    # the three futures' first calls wait for each other (not a timer)
     user_calls = len(fake_openai.requests)
     asyncio.run(score_all([traj], [reward]))
     assert not traj.masked, traj.errors

@@ -179,7 +179,7 @@ def test_bleu_and_pass_rate():
     assert bleu("dogs", "the cat sat") == 0.0 and bleu("", "x") == 0.0
     code = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
     tests = ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "import time; time.sleep(5)"]
-    assert asyncio.run(pass_rate(code, tests, timeout_s=1.0)) == pytest.approx(1 / 3)
+    assert asyncio.run(pass_rate(code, tests, timeout_s=3.0)) == pytest.approx(1 / 3)   # 3 s: starts under load
 
 
 def test_bleu_and_pass_rate_as_judge_metrics_without_an_llm():
