@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from turnrl.algo.losses import entropy_from_logits, logprobs_from_logits
+from turnrl.engines.cpu_attention import use_masked_sdpa
 from turnrl.engines.hf import native_bf16
 from turnrl.exact.model import exact_logprobs, merged_weight
 from turnrl.train.fused_head import linear_logprobs
@@ -43,6 +44,7 @@ def load_policy(model_dir: str, device: torch.device, lora_rank: int = 0, lora_a
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.config.use_cache = False
+    use_masked_sdpa(model)   # CPU: grouped KV heads stay shared under masks (the shared-prefix lanes)
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
