@@ -89,10 +89,17 @@ def test_masked_grouped_attention_keeps_the_kv_heads_shared(monkeypatch):
         assert torch.allclose(a, b, atol=1e-5)     # the grouped heads' gradients summed in another order
 
 
-def test_masked_sdpa_hands_other_calls_to_transformers():
+def test_masked_sdpa_hands_other_calls_to_transformers(monkeypatch):
+    import transformers.integrations.sdpa_attention as hf_sdpa
     from turnrl.engines.cpu_attention import masked_sdpa
 
     module, q, k, v, mask = grouped_case()
+    copies = []
+    original = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
+    with torch.no_grad():
+        half, _ = masked_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scaling=0.3)   # bf16: theirs
+    assert half.dtype == torch.bfloat16 and copies == [3, 3]
     with torch.no_grad():
         unmasked, _ = masked_sdpa(module, q, k, v, None, scaling=0.3)      # causal, no mask: transformers' path
         ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
