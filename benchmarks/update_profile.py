@@ -33,7 +33,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     from turnrl.train.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="turnrl-update-profile-")
-    cfg = load_config("examples/calculator/train.yaml", [*WIDE, f"output_dir={out}", "trainer.steps=2", *a.overrides])
+    work = WIDE if a.work == "wide" else ["engine.kind=hf", "logging.progress=off"]   # main: the main job's work
+    cfg = load_config("examples/calculator/train.yaml", [*work, f"output_dir={out}", "trainer.steps=2", *a.overrides])
     trainer = Trainer(cfg)
     seen: list = []
     rollout = trainer.rollout
@@ -81,7 +82,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     print(table)
     tokens = sum(t.n_tokens() for t in trajs)
     await trainer.engine.close()
-    return {"benchmark": "update_profile", "overrides": [*WIDE, *a.overrides], "trajectories": len(trajs),
+    return {"benchmark": "update_profile", "work": a.work, "overrides": [*work, *a.overrides], "trajectories": len(trajs),
             "tokens": tokens, "first_step_update_s": first["time/update_s"],
             "first_step_update_minor_faults": first_faults[0], "repeats": times, "profile": table,
             "first_profile": first_table}
@@ -93,6 +94,7 @@ if __name__ == "__main__":
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--first", action="store_true", help="also profile the first step's update")
+    p.add_argument("--work", choices=("wide", "main"), default="wide", help="the race's wide work or the main job's")
     p.add_argument("--step", type=int, default=1, choices=(0, 1), help="repeat the update of this step's rows")
     p.add_argument("--json")
     p.add_argument("overrides", nargs="*")
