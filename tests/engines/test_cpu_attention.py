@@ -58,6 +58,17 @@ def test_models_not_on_sdpa_are_left_alone():
     assert not use_decode_attention(model) and model.config._attn_implementation == "eager"
 
 
+@pytest.fixture
+def kv_copies(monkeypatch):
+    """The group sizes of every `repeat_kv` call transformers' SDPA path makes (its KV copies per query head)."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    copies = []
+    original = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
+    return copies
+
+
 def grouped_case(seed=2):
     module = torch.nn.Module().train()
     module.num_key_value_groups, module.is_causal = 3, True
@@ -69,13 +80,11 @@ def grouped_case(seed=2):
     return module, q, k, v, mask
 
 
-def test_masked_grouped_attention_keeps_the_kv_heads_shared(monkeypatch):
+def test_masked_grouped_attention_keeps_the_kv_heads_shared(kv_copies):
     import transformers.integrations.sdpa_attention as hf_sdpa
     from turnrl.engines.cpu_attention import masked_sdpa
 
-    copies = []
-    original = hf_sdpa.repeat_kv
-    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
+    copies = kv_copies
     results = []
     for attention in (hf_sdpa.sdpa_attention_forward, masked_sdpa):
         module, q, k, v, mask = grouped_case()
@@ -89,14 +98,11 @@ def test_masked_grouped_attention_keeps_the_kv_heads_shared(monkeypatch):
         assert torch.allclose(a, b, atol=1e-5)     # the grouped heads' gradients summed in another order
 
 
-def test_masked_sdpa_hands_other_calls_to_transformers(monkeypatch):
-    import transformers.integrations.sdpa_attention as hf_sdpa
+def test_masked_sdpa_hands_other_calls_to_transformers(kv_copies):
     from turnrl.engines.cpu_attention import masked_sdpa
 
     module, q, k, v, mask = grouped_case()
-    copies = []
-    original = hf_sdpa.repeat_kv
-    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
+    copies = kv_copies
     with torch.no_grad():
         half, _ = masked_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scaling=0.3)   # bf16: theirs
     assert half.dtype == torch.bfloat16 and copies == [3, 3]
@@ -107,14 +113,11 @@ def test_masked_sdpa_hands_other_calls_to_transformers(monkeypatch):
     assert torch.allclose(unmasked, ref.transpose(1, 2), atol=1e-6)
 
 
-def test_a_cpu_training_model_runs_masked_sdpa_with_the_same_logits_and_close_gradients(smollm2_dir, monkeypatch):
-    import transformers.integrations.sdpa_attention as hf_sdpa
+def test_a_cpu_training_model_runs_masked_sdpa_with_the_same_logits_and_close_gradients(smollm2_dir, kv_copies):
     from turnrl.engines.cpu_attention import MASKED_NAME
     from turnrl.train.policy import load_policy
 
-    copies = []
-    original = hf_sdpa.repeat_kv
-    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.append(n) or original(x, n))
+    copies = kv_copies
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(5, 2000, (2, 10), generator=gen)
     attn = torch.ones(2, 10, dtype=torch.long)
