@@ -21,7 +21,7 @@ work=(examples/calculator/train.yaml "model.name=$model" model.lora.rank=0 engin
       data.train.task=guess_number "data.train.options={}" "reward.functions=[last_number]" "reward.weights=[1.0]"
       reward.accuracy_part=last_number data.prompts_per_step=64 rollout.n=4 rollout.concurrency=256
       rollout.max_assistant_turns=4 rollout.max_user_turns=4 rollout.max_response_tokens=1024
-      rollout.sampling.max_tokens_per_turn=64 trainer.micro_batch_tokens=65536 trainer.packing=true
+      rollout.sampling.max_tokens_per_turn=64 trainer.micro_batch_tokens=16384 trainer.packing=true
       logging.progress=off)
 for round in $(seq "${ROUNDS:-1}"); do
   for variant in ${VARIANTS:-old new}; do

@@ -4,7 +4,12 @@ import json
 
 import pytest
 
-from turnrl.bench.profile import Kernel, breakdown, category
+from types import SimpleNamespace
+
+import torch
+from torch.autograd import DeviceType
+
+from turnrl.bench.profile import Kernel, _kernels, breakdown, category, idle_gaps
 from turnrl.cli import main
 
 
@@ -19,6 +24,7 @@ from turnrl.cli import main
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("triton_poi_fused__unsafe_view_mul_silu_9", "fused_elementwise"),
     ("triton_red_fused_amax_exp_sub_sum_0", "reduction"),
+    ("head_logit_stats", "head"),
     ("aten::empty_strided", "other"),
 ])
 def test_kernels_are_grouped_by_kind(name, kind):
@@ -35,6 +41,19 @@ def test_breakdown_sums_the_kernels_and_ranks_the_top_ones():
     assert sum(out["by_category_fraction"].values()) == pytest.approx(1.0)
     assert [k["name"] for k in out["top"]] == ["aten::mm", "flash_fwd_kernel"]
     assert breakdown([], wall_s=0.0)["busy_fraction"] is None
+
+
+def test_gpu_side_annotation_ranges_are_not_counted_beside_their_kernels():
+    """The optimizer's `record_function` range shows up as a CUDA row spanning the kernels it launched."""
+    def row(key, device_type, us, annotation=False):
+        return SimpleNamespace(key=key, device_type=device_type, count=1, self_device_time_total=us,
+                               self_cpu_time_total=us, is_user_annotation=annotation)
+    rows = [row("Optimizer.step#AdamW.step", DeviceType.CUDA, 5000.0, annotation=True),
+            row("multi_tensor_apply_kernel", DeviceType.CUDA, 4900.0), row("aten::mm", DeviceType.CPU, 300.0)]
+    prof = SimpleNamespace(key_averages=lambda: rows)
+    assert _kernels(prof, torch.device("cuda")) == [Kernel("multi_tensor_apply_kernel", 1, 0.0049)]
+    # on a CPU the rows are ops' self time: a range's own time is not in its children, so it stays
+    assert len(_kernels(prof, torch.device("cpu"))) == 3
 
 
 def test_bench_train_profiles_one_update_and_one_logprob_pass(tmp_path):
@@ -54,3 +73,13 @@ def test_inductor_kernels_with_a_cast_fused_in_are_not_copies():
     assert category("triton_per_fused__to_copy__unsafe_view_add_div_expand_mul_pow_sum_view_7") == "reduction"
     assert category("triton_poi_fused__to_copy_exp_mul_neg_sub_unsqueeze_0") == "fused_elementwise"
     assert category("void at::native::bfloat16_copy_kernel_cuda") == "copy"
+
+
+def test_idle_gaps_are_the_uncovered_time_between_kernels():
+    # microseconds: a and b overlap (two streams), c starts 3 ms after b's end, d 0.5 ms after c
+    spans = [(0.0, 1000.0, "a"), (500.0, 2000.0, "b"), (5000.0, 6000.0, "c"), (6500.0, 7000.0, "d")]
+    out = idle_gaps(reversed(spans), top=1)
+    assert out["launches"] == 4 and out["span_s"] == pytest.approx(0.007)
+    assert out["idle_s"] == pytest.approx(0.0035)
+    assert out["gaps"] == [{"ms": pytest.approx(3.0), "before": "b", "after": "c"}]
+    assert idle_gaps([])["idle_s"] == 0.0

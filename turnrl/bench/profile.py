@@ -1,7 +1,7 @@
 """Where an update's device time goes: kernels grouped by kind, from one `torch.profiler` run.
 
 `profile_call(fn, device)` runs `fn` once under the profiler and returns a breakdown: device time per
-category (matmul, attention, fused/elementwise, optimizer, copies, other), the top kernels, and the busy
+category (matmul, attention, fused/elementwise, optimizer, head, copies, other), the top kernels, and the busy
 fraction of the wall time (what the device computed against how long the call took: the rest is launch
 gaps and host work). On a CPU the "kernels" are the profiler's CPU ops, self time (no double counting of
 nested ops), so the same table is useful there too.
@@ -21,6 +21,7 @@ from torch.autograd import DeviceType
 # PyTorch's own) or, on a CPU, aten op names.
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("optimizer", re.compile(r"adam|multi_tensor_apply|_foreach_|fused_adam", re.I)),
+    ("head", re.compile(r"^head_logit_")),   # the fused head's passes over the logits (turnrl/train/head_kernel.py)
     ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
     ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|sm90_|sm80_|cublas|aten::(mm|addmm|bmm|matmul|linear)\b",
                           re.I)),
@@ -64,16 +65,43 @@ def breakdown(kernels: Iterable[Kernel], wall_s: float, top: int = 25) -> dict[s
 
 
 def _kernels(prof: Any, device: torch.device) -> list[Kernel]:
-    """Device-side rows on CUDA (kernels, copies; not the CPU ops that launched them again), CPU ops' self time
-    elsewhere."""
+    """Device-side rows on CUDA (kernels, copies; not the CPU ops that launched them again, nor the GPU-side
+    ranges of user annotations), CPU ops' self time elsewhere."""
     out = []
     for e in prof.key_averages():
-        if device.type == "cuda" and getattr(e, "device_type", None) != DeviceType.CUDA:
-            continue
+        if device.type == "cuda" and (getattr(e, "device_type", None) != DeviceType.CUDA
+                                      or getattr(e, "is_user_annotation", False)):
+            continue   # a GPU-side range (`Optimizer.step#AdamW.step`) spans kernels that are counted themselves
         seconds = (getattr(e, "self_device_time_total", 0.0) if device.type == "cuda" else e.self_cpu_time_total) / 1e6
         if seconds > 0:
             out.append(Kernel(e.key, int(e.count), float(seconds)))
     return out
+
+
+def idle_gaps(spans: Iterable[tuple[float, float, str]], top: int = 8) -> dict[str, Any]:
+    """Where the device waited: spans are (start, end, name) of its kernels (any time unit; seconds out if the
+    spans are in microseconds). Returns the idle time between the first kernel's start and the last one's end,
+    the launch count, and the `top` longest gaps with the kernels either side (a gap after a kernel that ends a
+    phase, the host catching up after a sync, usually names the place)."""
+    spans = sorted(spans)
+    if not spans:
+        return {"launches": 0, "span_s": 0.0, "idle_s": 0.0, "gaps": []}
+    gaps: list[tuple[float, str, str]] = []
+    covered, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > covered:
+            gaps.append((start - covered, last, name))
+        if end > covered:
+            covered, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"launches": len(spans), "span_s": (covered - spans[0][0]) / 1e6,
+            "idle_s": sum(g[0] for g in gaps) / 1e6,
+            "gaps": [{"ms": g / 1e3, "before": before[:100], "after": after[:100]} for g, before, after in gaps[:top]]}
+
+
+def _device_spans(prof: Any) -> list[tuple[float, float, str]]:
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
 def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> dict[str, Any]:
@@ -88,7 +116,10 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> 
         fn()
         sync()
         wall = time.perf_counter() - start
-    return breakdown(_kernels(prof, device), wall, top)
+    report = breakdown(_kernels(prof, device), wall, top)
+    if device.type == "cuda":
+        report["idle"] = idle_gaps(_device_spans(prof))
+    return report
 
 
 def format_breakdown(report: dict[str, Any], title: str) -> str:
@@ -97,4 +128,9 @@ def format_breakdown(report: dict[str, Any], title: str) -> str:
     lines += [f"  {c:<18} {s * 1e3:8.1f} ms  {report['by_category_fraction'].get(c, 0):6.1%}"
               for c, s in report["by_category_s"].items()]
     lines += [f"    {k['s'] * 1e3:8.2f} ms x{k['calls']:<5} {k['category']:<17} {k['name'][:90]}" for k in report["top"][:12]]
+    idle = report.get("idle")
+    if idle:
+        lines.append(f"  device idle {idle['idle_s'] * 1e3:.1f} ms between {idle['launches']} launches over "
+                     f"{idle['span_s'] * 1e3:.1f} ms; longest gaps:")
+        lines += [f"    {g['ms']:8.2f} ms after {g['before'][:50]} before {g['after'][:50]}" for g in idle["gaps"][:5]]
     return "\n".join(lines)

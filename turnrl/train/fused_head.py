@@ -12,8 +12,9 @@ when it fits `KEEP_SOFTMAX_BYTES` and the backward skips the recompute; a frozen
 gradient at all.
 
 Only the rows the caller selects are computed at all: an RL update needs logprobs of policy tokens only,
-not of the prompt, tool results or user turns. On GPUs the per-chunk work (matmul epilogue: upcast,
-log-sum-exp, gather, entropy; and the backward's softmax-gradient) is compiled into fused kernels.
+not of the prompt, tool results or user turns. On GPUs the per-chunk work after the matmul (upcast,
+log-sum-exp, gather, entropy; the backward's softmax-gradient) runs as the Triton kernels of `head_kernel`, one
+pass over the logits each, or, without Triton, as chunk bodies compiled by torch.compile.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
+from turnrl.train import head_kernel
 
 
 def _chunk_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, inv_temp: float, keep: bool
@@ -59,11 +62,13 @@ def _chunk_backward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse:
     return dlogits @ w, (dlogits.T @ h if need_w else None)
 
 
-# The same two chunk steps written as pure expressions, for torch.compile on CUDA: inductor fuses the upcast,
-# log-sum-exp, gather and entropy into one reduction over the logits and the softmax-gradient into the
-# matmul's epilogue. The in-place bodies above suit eager CPUs; compiled, their in-place steps and the
-# entropy's batched dot product became extra passes and copies (an H200 profile: 13 ms of gemv and 11 ms of
-# device copies per update).
+# The same two chunk steps written as pure expressions, for torch.compile on CUDA without Triton's kernels
+# (and the A/B in benchmarks/fused_head_ab.sh). Inductor fuses the upcast into its reductions, but reads the
+# logits three times in the forward (two log-sum-exp reductions, the entropy's sum) and runs the backward's
+# pointwise kernel at about a third of the bandwidth: ~22 ms an update in an H100 profile, 6.7 ms with
+# `head_kernel`. The in-place bodies above suit eager CPUs; compiled, their in-place steps and the entropy's
+# batched dot product became extra passes and copies (an H200 profile: 13 ms of gemv and 11 ms of device
+# copies per update).
 def _fused_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, inv_temp: float, keep: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     logits = (h @ w.T).float() * inv_temp
@@ -92,12 +97,30 @@ KEEP_SOFTMAX_BYTES: dict[str, int] = {"cpu": 1 << 30}
 _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
+# With Triton, CUDA runs the chunk's passes over the logits as the kernels of `head_kernel` (one read for the
+# forward's statistics, one read and write for the gradient, in place); the matmuls stay cuBLAS's.
+def _triton_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, inv_temp: float, keep: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    if keep:
+        raise ValueError("the Triton head kernels recompute the softmax; they do not keep it (KEEP_SOFTMAX_BYTES)")
+    lp, lse, ent = head_kernel.logit_stats(h @ w.T, labels, inv_temp)
+    return lp, lse, ent, None
+
+
+def _triton_backward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                     inv_temp: float, kept: None, need_w: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dlogits = head_kernel.logit_grad_(h @ w.T, labels, lse, g * inv_temp, inv_temp)
+    return dlogits @ w, (dlogits.T @ h if need_w else None)
+
+
 def _kernels(device: torch.device) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Compiled chunk kernels on CUDA (fused epilogues); the in-place eager functions elsewhere."""
+    """The Triton chunk kernels on CUDA, compiled chunk bodies there without Triton (fused epilogues), the
+    in-place eager functions elsewhere."""
     if device.type != "cuda":
         return _chunk_forward, _chunk_backward
     if "cuda" not in _KERNELS:
-        _KERNELS["cuda"] = (torch.compile(_fused_forward, dynamic=True), torch.compile(_fused_backward, dynamic=True))
+        _KERNELS["cuda"] = (_triton_forward, _triton_backward) if head_kernel.available(device) else \
+            (torch.compile(_fused_forward, dynamic=True), torch.compile(_fused_backward, dynamic=True))
     return _KERNELS["cuda"]
 
 
