@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from turnrl.config.loader import REDACTED, SECRET_NAME, URL_CREDENTIALS, ConfigError, redact_urls
