@@ -3,9 +3,10 @@
 SmolLM2-135M in float32: `LeanDecode` (the same operations as transformers' forward, without its modules, the
 4-D mask building and the views) and the model's own forward, each from the same prefilled cache state,
 alternating, at `--rows` rows over ~600 cached tokens; ms per decode step and the largest difference of the
-first step's logits (0: bit for bit).
+first step's logits (0: bit for bit). `--kernel` adds `LeanDecode` with its weight products through the skinny
+kernel (turnrl/engines/cpu_gemm.py), as the engine runs it on an AVX-512 CPU.
 
-    PYTHONPATH=. python benchmarks/cpu_lean_decode_probe.py --rows 1,8,16 --json results.json
+    PYTHONPATH=. python benchmarks/cpu_lean_decode_probe.py --rows 1,8,16 [--kernel] --json results.json
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def prefilled(model, prompt: torch.Tensor, attn: torch.Tensor):
     return cache, out.logits[:, -1].argmax(-1)
 
 
-def run(model, rows: int, lean: bool, steps: int, context: int = 600) -> tuple[float, torch.Tensor]:
+def run(model, rows: int, lean, steps: int, context: int = 600) -> tuple[float, torch.Tensor]:
     """Median ms of `steps` decode steps (after 3) from the same seeded prompt; the first step's logits."""
     g = torch.Generator().manual_seed(rows)
     prompt = torch.randint(0, model.config.vocab_size, (rows, context), generator=g)
     attn = torch.ones(rows, context, dtype=torch.long)
     attn[0, :5] = 0                       # one left-padded row, as in the engine's batches
     times, first = [], None
-    step = LeanDecode(model)
+    step = lean if callable(lean) else LeanDecode(model)
     with torch.no_grad():
         cache, last = prefilled(model, prompt, attn)
         for _ in range(steps + 3):
@@ -66,23 +67,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=2, help="alternations of the two forwards per row count")
+    p.add_argument("--repeats", type=int, default=2, help="alternations of the forwards per row count")
+    p.add_argument("--kernel", action="store_true", help="also the lean step through the skinny kernel")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     model = load()
+    variants = {"transformers": False, "lean": True}
+    if a.kernel:
+        from turnrl.engines.cpu_gemm import load as load_kernel
+        kernel, why = load_kernel()
+        if kernel is None:
+            raise SystemExit(f"--kernel: {why}")
+        variants["lean+kernel"] = LeanDecode(model, kernel)
     report = {"model": "smollm2-135m-instruct", "dtype": "float32", "threads": torch.get_num_threads(), "rows": {}}
     for rows in (int(r) for r in a.rows.split(",")):
-        ms = {"transformers": [], "lean": []}
+        ms: dict = {name: [] for name in variants}
+        diff: dict = {}
         for _ in range(a.repeats):
-            for lean in (False, True):
+            for name, lean in variants.items():
                 t, logits = run(model, rows, lean, a.steps)
-                ms["lean" if lean else "transformers"].append(t)
-                if lean:
-                    diff = (logits - reference).abs().max().item()
-                else:
+                ms[name].append(t)
+                if lean is False:
                     reference = logits
+                else:
+                    diff[name] = (logits - reference).abs().max().item()
         report["rows"][rows] = {"ms_per_step": ms, "max_logit_diff": diff}
-        print(rows, {k: [round(x, 1) for x in v] for k, v in ms.items()}, f"max logit diff {diff:.2e}", flush=True)
+        print(rows, {k: [round(x, 1) for x in v] for k, v in ms.items()},
+              "max logit diff " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -1,4 +1,5 @@
-"""The transformers engine's lean CPU decode step: bit-identical to the model's forward, or not used at all."""
+"""The transformers engine's lean CPU decode step: bit-identical to the model's forward, or not used at all; with
+the skinny kernel for its products, within float32 rounding of it."""
 
 import asyncio
 from types import SimpleNamespace
@@ -8,13 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
 import turnrl.engines.cpu_decode as cpu_decode
+from turnrl.engines import cpu_gemm
 from turnrl.engines.base import Sampling
 from turnrl.engines.hf import HFEngine, new_cache
 from turnrl.models import resolve
 
 
-def engine(model=None, lean=True, dtype="float32"):
-    e = HFEngine(str(resolve("tiny-random")), device="cpu", dtype=dtype, model=model, max_batch_size=8, gather_ms=30)
+def engine(model=None, lean=True, dtype="float32", gemm=False):
+    e = HFEngine(str(resolve("tiny-random")), device="cpu", dtype=dtype, model=model, max_batch_size=8, gather_ms=30,
+                 cpu_gemm=gemm)
     if not lean:
         e.lean = None
     return e
@@ -98,3 +101,42 @@ def test_weight_updates_reach_the_lean_step(torch_threads):
             asyncio.run(e.close())
     assert [x.logprobs for x in a] == [y.logprobs for y in b]
     assert [x.logprobs for x in a] != [y.logprobs for y in before]     # the update changed what the step computes
+
+
+def kernel_or_skip():
+    if not cpu_gemm.avx512():
+        pytest.skip("the engine uses the skinny kernel only on AVX-512 CPUs")
+    kernel, why = cpu_gemm.load()
+    if kernel is None:
+        pytest.skip(f"the kernel does not build here: {why}")
+
+
+def test_the_kernel_step_samples_the_same_tokens_within_float32_rounding(torch_threads):
+    kernel_or_skip()
+    with torch_threads(1):
+        fast, plain = engine(gemm=True), engine(lean=False)
+        assert fast.lean is not None and fast.lean.linear is not torch.nn.functional.linear
+        a, b = run(fast, asks()), run(plain, asks())
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+    assert any(x.logprobs != y.logprobs for x, y in zip(a, b))     # the kernel's own sums, not linear's
+
+
+def test_a_kernel_step_too_far_from_the_forward_falls_back_to_linear(torch_threads, monkeypatch):
+    kernel_or_skip()
+    kernel, _ = cpu_gemm.load()
+    off = lambda x, w, b=None: kernel(x, w, b) * (1 + 1e-3)   # noqa: E731
+    monkeypatch.setattr(cpu_decode, "kernel_for", lambda model: (off, ""))
+    with torch_threads(1):
+        e = engine(gemm=True)
+        asyncio.run(e.close())
+    assert e.lean is not None and e.lean.linear is torch.nn.functional.linear
+
+
+def test_the_kernel_is_not_asked_for_bf16_models(torch_threads):
+    with torch_threads(1):
+        e = engine(dtype="bfloat16", gemm=True)
+        asyncio.run(e.close())
+    assert e.lean is not None and e.lean.linear is torch.nn.functional.linear
+    assert "bfloat16" in cpu_decode.kernel_for(e.model)[1]

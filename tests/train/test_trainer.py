@@ -128,3 +128,16 @@ def test_eval_runs_greedy_on_the_held_out_set(tmp_path):
 def test_unsupported_combination_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="kl_in_reward needs token-level"):
         Trainer(tiny_config(tmp_path, "algo.kl_in_reward=true", "algo.kl_coef=0.1"))
+
+
+def test_the_trainer_s_thread_gives_back_its_openmp_workers_before_each_rollout(tmp_path, monkeypatch):
+    """While the engine's thread computes, the trainer's pool would cost every OpenMP region of it a wake-up
+    (turnrl/engines/omp_pool.py)."""
+    import threading
+
+    import turnrl.train.trainer as trainer_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(trainer_module, "release_idle_pool", lambda: calls.append(threading.current_thread().name))
+    history = run(tiny_config(tmp_path, "trainer.steps=2"))
+    assert len(history) == 2 and calls == [threading.main_thread().name] * 2

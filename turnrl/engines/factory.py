@@ -28,7 +28,8 @@ def _build(cfg: EngineConfig, model_dir: str | Path) -> Engine:
                                seed=cfg.seed, exact=cfg.exact,
                                prefix_cache_tokens=cfg.prefix_cache_tokens if cfg.enable_prefix_caching else 0,
                                fast_prefix_cache=cfg.fast_prefix_cache and cfg.enable_prefix_caching,
-                               admission_graphs=cfg.fast_admission_graphs, partial_rollout=cfg.partial_rollout)
+                               admission_graphs=cfg.fast_admission_graphs, partial_rollout=cfg.partial_rollout,
+                               cpu_gemm=cfg.cpu_gemm)
     if cfg.kind == "vllm":
         from turnrl.engines.vllm import VLLMEngine
         return VLLMEngine.from_config(str(model_dir), cfg)

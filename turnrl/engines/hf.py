@@ -105,7 +105,7 @@ class HFEngine(WorkerEngine):
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto", max_batch_size: int = 64,
                  gather_ms: float = 5.0, seed: int = 0, model: Any = None, prefix_cache_tokens: int = 32768,
-                 max_len: int | None = None, partial_rollout: bool = False):
+                 max_len: int | None = None, partial_rollout: bool = False, cpu_gemm: bool = True):
         from transformers import AutoModelForCausalLM
 
         if max_len is not None and max_len < 2:
@@ -121,10 +121,12 @@ class HFEngine(WorkerEngine):
             use_decode_attention(self.model)  # CPU SDPA is slow for one-token decode steps
             use_cpu_head(self.model)          # and linear is slow for a decode step with 7-15 rows of logits
         # on the CPU, decode steps without transformers' module machinery where that is bit-identical (cpu_decode.py)
-        self.lean, why = (lean_decode(self.model, lambda: new_cache(self.model.config)) if self.device.type == "cpu"
-                          else (None, ""))
+        self.lean, why = (lean_decode(self.model, lambda: new_cache(self.model.config), cpu_gemm)
+                          if self.device.type == "cpu" else (None, ""))
         if why:
             log.info("hf engine: decode steps through the model's forward: %s", why)
+        elif self.lean is not None and self.lean.linear is not torch.nn.functional.linear:
+            log.info("hf engine: decode steps' weight products through the skinny CPU kernel (cpu_gemm.py)")
         self.max_batch_size = max_batch_size
         self.gather_s = gather_ms / 1000
         self.partial_rollout = partial_rollout

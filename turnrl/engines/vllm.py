@@ -44,6 +44,7 @@ import torch
 
 from turnrl.engines.base import Capabilities, Completion, Delta, EngineBase, EngineError, Sampling
 from turnrl.engines.hf import native_bf16
+from turnrl.engines.omp_pool import release_idle_pool
 from turnrl.engines.vllm_weights import WeightLoader, write_adapter
 from turnrl.engines.worker import stream_through
 
@@ -332,6 +333,8 @@ class VLLMEngine(EngineBase):
 
     def _loop(self, engine: Any) -> None:
         while True:
+            if not self._live and self._inbox.empty():
+                release_idle_pool()      # idle: the trainer's thread computes next (omp_pool.py)
             commands = [self._inbox.get()] if not self._live else []
             while True:
                 try:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from turnrl.engines.base import Completion, Delta, EngineBase, EngineError, Sampling
+from turnrl.engines.omp_pool import release_idle_pool
 
 Listener = Callable[[list[int], list[float]], None]   # called from the worker thread with each step's tokens
 
@@ -134,6 +135,8 @@ class WorkerEngine(EngineBase):
         """The next requests to start: wait for one (when `block`), give concurrent trajectories `gather_s` to
         join the same prefill, then take pending requests in order while `fits(taken, request)`; a None from
         `fits` leaves that request queued (in its place) and goes on; aborted requests are dropped on the way."""
+        if block and not self._pending:
+            release_idle_pool()          # idle: the trainer's thread computes next (omp_pool.py)
         with self._cv:
             if block:
                 while not self._pending and not self._closed:

@@ -22,6 +22,7 @@ from turnrl.config import Config, to_dict
 from turnrl.data import Task, load_dataset
 from turnrl.engines.hf import resolve_device, resolve_dtype
 from turnrl.engines.logs import route_engine_logs
+from turnrl.engines.omp_pool import release_idle_pool
 from turnrl.ledger import Source, Trajectory
 from turnrl.llm import close_all as close_llm_clients
 from turnrl.observe.gc_heap import freeze_heap, gc_pauses
@@ -199,6 +200,7 @@ class Trainer:
                       desc: str = "rollout") -> tuple[list[Trajectory], float]:
         loop = build_loop(self.cfg.rollout, self.engine, self.template, self.env, rollout_seed(self.cfg.seed, step),
                           sampling, policy_version=step)
+        release_idle_pool()   # this thread waits while the engine's computes (turnrl/engines/omp_pool.py)
         progress = Progress(len(tasks) * n, f"{desc} {step}", self.cfg.logging.progress,
                             in_flight=lambda: self.engine.in_flight)
         start = time.perf_counter()
