@@ -65,7 +65,7 @@ class EngineConfig:
     #                                      not gain (README "Admissions as CUDA graphs"); false: eager, exact sizes
     cpu_gemm: bool = True                # hf plain engine, float32 on an AVX-512 CPU: decode steps' weight products
     #                                      through turnrl's skinny kernel, built with the system's g++ on first use
-    #                                      (turnrl/engines/cpu_gemm.py; at 8 rows 24 ms against 40 with linear);
+    #                                      (turnrl/engines/cpu_gemm.py; at 8 rows 23 ms against 38 with linear);
     #                                      checked against the model's forward, linear where it is not within 1e-4
     exact: bool = False                  # hf: engine and trainer logprobs equal bit for bit, tokens independent of
     #                                      the batch (batch-invariant forward of turnrl/exact; slot engine, eager)

@@ -18,7 +18,7 @@ own forward on the same cache state; otherwise None and the reason, and the engi
 
 With `gemm=True`, a float32 model on a CPU with AVX-512 gets the step with its weight products (head included)
 through turnrl's skinny kernel (cpu_gemm.py) instead of `linear`: at 8 rows the body's products take 21 ms
-against 30 and the head 3 ms against 10 (`python benchmarks/cpu_gemm_probe.py`). Its sums run in another order
+against 30 and the head 3 ms against 8 (`python benchmarks/cpu_gemm_probe.py`). Its sums run in another order
 than MKL's, so that step is checked against the model's forward within `KERNEL_TOLERANCE` (relative to the
 largest logit) instead of bit for bit, and is not used where it is further off.
 """

@@ -3,10 +3,11 @@
 A decode step multiplies a few rows (one per running request) by every weight matrix, so its products read
 425 MB of weights (SmolLM2-135M's body in float32) for ~1.7 GFLOP at 8 rows. On this project's 2-core Xeon
 (AVX-512), PyTorch's `linear` (MKL) streams the weights near the memory bandwidth at one row but at about half of
-it from 4 rows on: 27.9 / 32.0 / 38.4 ms for the body's 210 products at 4 / 8 / 16 rows against 16.5 at one
-(`python benchmarks/cpu_gemm_probe.py`). This kernel walks W's rows once, two at a time, keeps each
-(row of x, row of W) sum in a vector register, and asks for the rows two ahead with a prefetch into L2 (without
-it the weights streamed no faster than MKL's); x stays in L1. Same products: 18.5 / 21.6 / 26.5 ms.
+it from 4 rows on: 26.6 / 30.0 / 37.7 ms for the body's 210 products at 4 / 8 / 16 rows against 15.8 at one
+(`python benchmarks/cpu_gemm_probe.py`, benchmarks/results/cpu_gemm_probe_2026-12-06.json). This kernel walks
+W's rows once, two at a time, keeps each (row of x, row of W) sum in a vector register, and asks for the rows
+two ahead with a prefetch into L2 (without it the weights streamed no faster than MKL's); x stays in L1. Same
+products: 18.6 / 20.6 / 26.7 ms (16.7 at one).
 
 Each output is one dot product summed in the same order (vector lanes over k, then the lanes left to right)
 whatever the number of rows, so a row's result does not depend on the batch; it differs from MKL's in the
