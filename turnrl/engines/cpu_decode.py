@@ -122,7 +122,8 @@ def lean_decode(model: Any, cache_factory: Any, gemm: bool = True) -> tuple[Lean
     if why:
         return None, why
     lean = LeanDecode(model)
-    reference, logits = _first_step(model, lean, cache_factory)
+    reference = _step_logits(model, None, cache_factory)
+    logits = _step_logits(model, lean, cache_factory)
     if not torch.equal(reference, logits):
         diff = (reference.float() - logits.float()).abs().max().item()
         return None, f"its logits differ from the model's forward (max {diff:.2e})"
@@ -130,7 +131,7 @@ def lean_decode(model: Any, cache_factory: Any, gemm: bool = True) -> tuple[Lean
         kernel, why = kernel_for(model)
         if kernel is not None:
             fast = LeanDecode(model, kernel)
-            diff = (_first_step(model, fast, cache_factory)[1] - reference).abs().max().item()
+            diff = (_step_logits(model, fast, cache_factory) - reference).abs().max().item()
             scale = max(1.0, reference.abs().max().item())
             if diff <= KERNEL_TOLERANCE * scale:
                 return fast, ""
@@ -149,21 +150,18 @@ def kernel_for(model: Any) -> tuple[Linear | None, str]:
     return cpu_gemm.load()
 
 
-def _first_step(model: Any, lean: LeanDecode, cache_factory: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of one decode step over the same prefilled cache: the model's forward, then `lean`."""
+def _step_logits(model: Any, lean: LeanDecode | None, cache_factory: Any) -> torch.Tensor:
+    """The logits of one decode step over a freshly prefilled cache: through `lean`, or the model's forward
+    where `lean` is None."""
     device = next(model.parameters()).device
     prompt = torch.tensor([[0, 0, 11, 12, 13, 14], [21, 22, 23, 24, 25, 26]], device=device)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], device=device)
     positions = mask.sum(1) - 1
     ids = torch.tensor([31, 32], device=device)
-    logits = []
     with torch.no_grad():
-        for use_lean in (False, True):
-            cache = cache_factory()
-            model(input_ids=prompt, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
-            if use_lean:
-                logits.append(lean(ids, positions, mask, cache))
-            else:
-                logits.append(model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions[:, None],
-                                    past_key_values=cache, use_cache=True).logits[:, -1])
-    return logits[0], logits[1]
+        cache = cache_factory()
+        model(input_ids=prompt, attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+        if lean is not None:
+            return lean(ids, positions, mask, cache)
+        return model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions[:, None],
+                     past_key_values=cache, use_cache=True).logits[:, -1]

@@ -144,18 +144,22 @@ def load() -> tuple[SkinnyLinear | None, str]:
 
 def avx512() -> bool:
     """Whether this CPU has AVX-512 (the kernel's wide path, the one measured)."""
+    return " avx512f" in _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    """The first CPU's `flags` line of /proc/cpuinfo ('' where there is none)."""
     try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                    "")
     except OSError:
-        return False
+        return ""
 
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    try:
-        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
+    cpu = _cpu_flags() or platform.processor()
     key = hashlib.sha256("\0".join((SOURCE, " ".join(FLAGS), version, cpu)).encode()).hexdigest()[:16]
     target = kernels_dir() / f"skinny_linear-{key}.so"
     if target.exists():
