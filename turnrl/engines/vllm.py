@@ -45,10 +45,10 @@ import torch
 from turnrl.engines.base import Capabilities, Completion, Delta, EngineBase, EngineError, Sampling
 from turnrl.engines.hf import native_bf16
 from turnrl.engines.omp_pool import release_idle_pool
+from turnrl.engines.vllm_args import VLLMSettings, check_settings, engine_args, resolved_dtype
 from turnrl.engines.vllm_weights import WeightLoader, write_adapter
 from turnrl.engines.worker import stream_through
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -89,30 +89,21 @@ class VLLMEngine(EngineBase):
                  enable_prefix_caching: bool = True, cpu_kv_cache_gb: float = 2.0, seed: int = 0,
                  max_lora_rank: int = 0, enable_sleep_mode: bool = False, max_num_seqs: int = 0,
                  partial_rollout: bool = False, cpu_threads: int = 0):
-        if dtype not in DTYPES:
-            raise ValueError(f"vllm engine dtype must be one of {DTYPES}, got {dtype!r}")
-        if tensor_parallel_size != 1:
-            raise ValueError("the in-process vllm engine runs one worker (tensor_parallel_size=1): with more, "
-                             "vLLM's workers live in other processes and update_weights cannot hand them tensors")
-        if max_model_len <= 0 or cpu_kv_cache_gb <= 0 or max_num_seqs < 0 or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError("vllm engine needs max_model_len > 0, cpu_kv_cache_gb > 0, max_num_seqs >= 0 and "
-                             "0 < gpu_memory_utilization <= 1")
-        if cpu_threads < 0:
-            raise ValueError(f"engine.cpu_threads must be >= 0 (0: the trainer's torch threads), got {cpu_threads}")
+        settings = VLLMSettings(
+            str(model_path), dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, cpu_kv_cache_gb=cpu_kv_cache_gb, seed=seed,
+            max_lora_rank=max_lora_rank, enable_sleep_mode=enable_sleep_mode, max_num_seqs=max_num_seqs)
+        check_settings(settings, cpu_threads)
         # On CPU: rollout and update take turns in one process (the local trainer; split placements give an
         # engine actor its own threads), so the engine computes with as many threads as the trainer. Measured
         # (wide calculator rollout, 32 trajectories, float32, quiet 2-core machine): 25.7 s with 2 threads
         # against 53.6 s with 1, the same 3,297 tokens. Set 1 where other work shares the cores during
         # rollout: OpenMP workers then spin-wait between the many small ops of a decode step.
         self.cpu_threads = cpu_threads or torch.get_num_threads()
-        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            raise ValueError("VLLM_CPU_KVCACHE_SPACE is set and would override engine.cpu_kv_cache_gb; unset it "
-                             "and set engine.cpu_kv_cache_gb instead")
         vllm = import_vllm()
         from vllm.platforms import current_platform
         self.on_cpu = current_platform.is_cpu()
-        if dtype == "auto" and self.on_cpu and not native_bf16(torch.device("cpu")):
-            dtype = "float32"   # vLLM-CPU's bf16 on an AVX2-only CPU: 12 vs 44 tok/s in float32, measured here
         if enable_sleep_mode and not current_platform.is_sleep_mode_available():
             raise ValueError(f"vLLM sleep mode needs a CUDA/ROCm GPU; this vLLM runs on "
                              f"{current_platform.device_type}: set engine.enable_sleep_mode=false")
@@ -122,23 +113,8 @@ class VLLMEngine(EngineBase):
         self.in_flight = 0                 # requests submitted and not yet answered (for progress)
         self.max_model_len = max_model_len  # the agent loop's context never passes it
         self.vllm_version = vllm.__version__
-        args: dict[str, Any] = dict(
-            model=str(model_path), dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs", distributed_executor_backend="uni",
-            generation_config="vllm",      # no sampling defaults from the model's generation_config
-            disable_log_stats=True, enable_sleep_mode=enable_sleep_mode)
-        if max_num_seqs:
-            args["max_num_seqs"] = max_num_seqs
-        if self.on_cpu:
-            args["kv_cache_memory_bytes"] = int(cpu_kv_cache_gb * (1 << 30))
-            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill
-            # is split over two steps: it rewinds the request's generator, which CPU generators cannot do.
-            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096, max_num_seqs))
-        else:
-            args["gpu_memory_utilization"] = gpu_memory_utilization
-        if max_lora_rank:
-            args.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2)
+        args = engine_args(settings, resolved_dtype(dtype, self.on_cpu, native_bf16(torch.device("cpu"))),
+                           self.on_cpu)
         # top-p/top-k logprobs would not be the full distribution's
         self.capabilities = Capabilities(truncated_sampling=False, lora_adapters=bool(max_lora_rank),
                                          sleep=enable_sleep_mode, partial_rollout=True, streaming=True)
