@@ -16,29 +16,14 @@ import json
 
 import torch
 
+from turnrl.bench.common import graph_ms
 from turnrl.engines.fast import attention_kernel
 from turnrl.engines.fast.decoder import decode_attention
 
 
 def timed(fn, repeats: int = 50, calls: int = 20) -> float:
-    """ms per call: `calls` calls captured in one CUDA graph (as the engine's step runs them, so host launch
-    time is not counted), the median of `repeats` replays."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    """ms per call: `calls` calls in one CUDA graph (host launch time not counted), the median of the replays."""
+    return graph_ms(fn, repeats, calls, warmup=3)
 
 
 def main() -> None:

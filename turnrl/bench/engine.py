@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from turnrl.bench.common import machine_info
+from turnrl.bench.common import graph_ms, machine_info
 from turnrl.engines.base import Sampling
 from turnrl.engines.hf import resolve_device
 
@@ -202,23 +202,9 @@ def profile_step(engine: Any, batch: int, length: int, repeats: int = 50) -> dic
     def step() -> None:
         engine.step.run(batch, n_kv, False, False)
     out = {"batch": batch, "n_kv": n_kv}
-    stream = engine.step.stream
-    with torch.cuda.stream(stream):
-        for name, fn in (("layers", layers), ("head_sample", finish), ("step", step)):
-            fn()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                fn()
-            times = []
-            for _ in range(repeats):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
-            out[f"{name}_ms"] = sorted(times)[len(times) // 2]
-            del graph
+    for name, fn in (("layers", layers), ("head_sample", finish), ("step", step)):
+        out[f"{name}_ms"] = graph_ms(fn, repeats, stream=engine.step.stream)
+    with torch.cuda.stream(engine.step.stream):
         out["top_kernels"] = _top_kernels(step)
     return out
 
