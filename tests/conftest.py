@@ -156,12 +156,12 @@ def interpreted(monkeypatch):
     """turnrl's Triton kernels (the fast engine's, the exact mode's) built for Triton's CPU interpreter (numpy),
     in a process of their own."""
     from turnrl.engines.fast import attention_kernel, cache_kernel, sample_kernel
-    from turnrl.exact import triton_ops
+    from turnrl.exact import triton_ops, triton_tree
     from turnrl.train import head_kernel
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     caches = (sample_kernel._kernels, cache_kernel._kernel, attention_kernel._kernels, triton_ops._attention_kernel,
               triton_ops._rms_kernel, triton_ops._matmul_kernel, triton_ops._elementwise_kernels,
-              triton_ops._vocab_kernel, head_kernel._kernels)
+              triton_tree._vocab_kernel, triton_tree._kernel, head_kernel._kernels)
     for cache in caches:
         cache.cache_clear()
     yield

@@ -29,10 +29,10 @@ def test_tree_sum_ignores_trailing_zeros_and_matches_sum():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tree_sum_kernel_is_the_plain_tree_bit_for_bit():
-    """On CUDA `tree_sum` is one Triton kernel (`triton_ops`): the same bits as the level-by-level tree, for a
+    """On CUDA `tree_sum` is one Triton kernel (`triton_tree`): the same bits as the level-by-level tree, for a
     row alone or among many, and the plain gradient."""
-    from turnrl.exact import triton_ops
-    if not triton_ops.usable(torch.zeros(1, 4, device="cuda")):
+    from turnrl.exact import triton_tree
+    if not triton_tree.usable(torch.zeros(1, 4, device="cuda")):
         pytest.skip("Triton is not installed")
     g = torch.Generator().manual_seed(2)
     for n in (1, 2, 3, 37, 64, 896, 1024, 4096):
@@ -152,14 +152,14 @@ def test_vocab_tree_kernel_is_the_plain_tree_and_its_search(interpreted):
     """The head's vocabulary kernel under the interpreter: the level it writes is the plain tree's level over
     its leaves, bit for bit; rebuilding a group's bottom levels finds the leaf the full tree finds; a row's
     result does not depend on the other rows."""
-    from turnrl.exact import triton_ops
+    from turnrl.exact import triton_tree
     g = torch.Generator().manual_seed(7)
     vocab = 9000   # P = 16384 = W 4096 x 4 members, 3 levels below
     logits = torch.randn(6, vocab, generator=g) * 4
     temp = torch.tensor([[1.0], [0.7], [1.3], [1.0], [0.5], [2.0]])
     top = logits.amax(-1, keepdim=True) / temp
-    leaves, level = triton_ops.vocab_tree(logits, temp.squeeze(1), top.squeeze(1))
-    width, below = triton_ops.vocab_split(vocab)
+    leaves, level = triton_tree.vocab_tree(logits, temp.squeeze(1), top.squeeze(1))
+    width, below = triton_tree.vocab_split(vocab)
     assert (width, below) == (4096, 2) and level.shape == (6, 4096)
     assert torch.allclose(leaves, torch.exp(logits / temp - top), rtol=1e-5)
     full = ops.tree_levels(leaves)
@@ -168,7 +168,7 @@ def test_vocab_tree_kernel_is_the_plain_tree_and_its_search(interpreted):
     plain = ops.SoftmaxTree(logits, temp, top.squeeze(1), leaves, full, 0)
     target = torch.rand(6, generator=g) * tree.total
     assert torch.equal(ops.tree_search(tree, target), ops.tree_search(plain, target))
-    one, one_level = triton_ops.vocab_tree(logits[2:3], temp[2], top[2])
+    one, one_level = triton_tree.vocab_tree(logits[2:3], temp[2], top[2])
     assert torch.equal(one, leaves[2:3]) and torch.equal(one_level, level[2:3])
 
 

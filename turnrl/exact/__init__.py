@@ -24,7 +24,7 @@ reduction in the forward has an order that depends on nothing but the token's ow
   query's output is the same bits in a prompt's prefill, in a one-token decode step over a slot cache of any
   length, and in the trainer's full-sequence pass;
 - the head and log-softmax (`ops.token_logprobs`): GEMM to float32 logits, exact max, tree log-sum-exp (on CUDA
-  the leaves and the tree's bottom levels in one kernel, `triton_ops.vocab_tree`).
+  the leaves and the tree's bottom levels in one kernel, `triton_tree.vocab_tree`).
 
 The engine (turnrl/engines/fast with `exact=True`) and the trainer (`model.exact_logprobs`) call these same
 functions on the same weights in the engine's dtype (LoRA merged exactly as the weight sync merges it), so

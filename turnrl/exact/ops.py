@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from turnrl.exact import triton_ops
+from turnrl.exact import triton_build, triton_ops, triton_tree
 
 KEY_BLOCK = 64   # attention reads keys in blocks of this many, at absolute positions [j * 64, (j + 1) * 64)
 QUERY_TILE = 16  # attention GEMMs take this many query rows (query heads x positions) at a time
@@ -30,7 +30,7 @@ def tree_levels(x: torch.Tensor) -> list[torch.Tensor]:
     j - 1. Elementwise adds only, so the order depends on nothing but the axis length, and trailing zeros
     leave every sum's bits unchanged (the tree over 2n values is the tree over the first n plus zeros)."""
     n = x.shape[-1]
-    width = triton_ops.pow2(n)
+    width = triton_build.pow2(n)
     if width != n:
         x = F.pad(x, (0, width - n))
     levels = [x]
@@ -43,10 +43,10 @@ def tree_levels(x: torch.Tensor) -> list[torch.Tensor]:
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over `dim` in the fixed pairwise-tree order of `tree_levels` (on CUDA one Triton kernel with the
-    same adds in the same order: `triton_ops`)."""
+    same adds in the same order: `triton_tree`)."""
     x = x.movedim(dim, -1)
-    if triton_ops.usable(x):
-        return triton_ops.tree_sum_last(x)
+    if triton_tree.usable(x):
+        return triton_tree.tree_sum_last(x)
     return tree_levels(x)[-1][..., 0]
 
 
@@ -217,7 +217,7 @@ class SoftmaxTree(NamedTuple):
     """exp(logits / t - max) and the fixed pairwise tree over it, as the log-sum-exp and the sampler read it.
 
     `levels` are `tree_levels` levels `below`, `below` + 1, ..., the root: all of them (`below` = 0, levels[0]
-    the zero-padded leaves) on CPUs; on CUDA the kernel `triton_ops.vocab_tree` writes level `below` and
+    the zero-padded leaves) on CPUs; on CUDA the kernel `triton_tree.vocab_tree` writes level `below` and
     `leaves` holds the leaves unpadded, from which a group's bottom levels are rebuilt in the same order."""
     logits: torch.Tensor        # [N, V] float32
     temperature: torch.Tensor   # [N, 1] float32
@@ -238,9 +238,9 @@ def softmax_tree(logits: torch.Tensor, temperature: torch.Tensor) -> SoftmaxTree
     """logits [N, V] float32, temperature [N, 1] float32 (1 for greedy rows)."""
     # division by t > 0 is monotone, so max(l / t) = max(l) / t exactly, without an [N, V] temporary
     top = logits.amax(dim=-1, keepdim=True) / temperature
-    if triton_ops.vocab_usable(logits):
-        leaves, level = triton_ops.vocab_tree(logits, temperature.squeeze(-1), top.squeeze(-1))
-        _, below = triton_ops.vocab_split(logits.shape[-1])
+    if triton_tree.vocab_usable(logits):
+        leaves, level = triton_tree.vocab_tree(logits, temperature.squeeze(-1), top.squeeze(-1))
+        _, below = triton_tree.vocab_split(logits.shape[-1])
         return SoftmaxTree(logits, temperature, top.squeeze(-1), leaves, tree_levels(level), below)
     levels = tree_levels(torch.exp(logits / temperature - top))
     return SoftmaxTree(logits, temperature, top.squeeze(-1), levels[0][..., :logits.shape[-1]], levels, 0)

@@ -1,122 +1,28 @@
-"""The exact mode's CUDA kernels: `ops.tree_sum` in one launch, RMSNorm, attention.
+"""The exact mode's layer kernels on CUDA: attention, RMSNorm, the weight products, SiLU(gate) * up and rotary,
+each batch-invariant (a row's bits do not depend on the other rows of a call), and called by the engine and the
+trainer alike so that both sides agree.
 
-`tree_sum_last`: the same pairwise tree, the same bits, one launch instead of one per level.
+`attention`: one program per (row, key/value head, tile of 16 queries) reads keys in blocks of `KEY_BLOCK` at
+absolute positions 0, 64, ... in order with an online softmax; a block the tile cannot see is skipped, which
+is an exact no-op, so a query's result is the same in prefill, in a one-token decode step over any cache
+length, and in the trainer's pass.
 
-The plain tree sum is a chain of elementwise adds, one kernel per level (plus the padding copy): an exact
-decode step ran ~820 of them, tiny ones, and they were a fifth of its time. Here a Triton program loads a
-block of rows zero-padded to the power of two P, and halves it LEVELS times: entry i of a level is entry i
-plus entry i + P / 2**j of the level before, exactly the order of `ops.tree_levels`. Float32 adds are
-correctly rounded whatever unit runs them and nothing else touches the values (no multiply to fuse into an
-FMA), so the result equals the plain tree's bit for bit; tests/exact/test_ops.py checks it on the GPU. The
-order depends only on P, never on how many rows share a program or a launch, so it stays batch-invariant.
+`rms_norm`: one program per row with `tl.sum`, whose order is fixed by the row width and the launch constants
+alone. A fused RMSNorm built on the pairwise tree (`triton_tree`) was tried and left out: Triton 3.6 took over
+two minutes to compile it for a 1024-wide bf16 row (in LLVM lowering of the tree's reshapes); the trainer calls
+the same kernel, so the two sides agree without it matching the tree.
 
-Used for float32 sums over at most `MAX_WIDTH` entries on CUDA when Triton imports (it comes with CUDA builds
-of torch); the vocabulary-wide sums of the head, and every CPU sum, keep the plain tree.
-A fused RMSNorm built on this tree was tried and left out: Triton 3.6 took over two minutes to compile it
-for a 1024-wide bf16 row (in LLVM lowering of the tree's reshapes). The RMSNorm here (`rms_norm`) is one
-program per row with `tl.sum`, whose order is fixed by the row width and the launch constants alone, so it is
-batch-invariant too; the trainer calls the same kernel, so the two sides agree without it matching the tree.
-
-`attention` is the exact attention on CUDA: one program per (row, key/value head, tile of 16 queries) reads
-keys in blocks of `KEY_BLOCK` at absolute positions 0, 64, ... in order with an online softmax; a block the
-tile cannot see is skipped, which is an exact no-op, so a query's result is the same in prefill, in a
-one-token decode step over any cache length, and in the trainer's pass.
-
-`TURNRL_EXACT_TRITON=0` turns it off (to measure what it saves).
+`TURNRL_EXACT_TRITON=0` turns these off, and the pairwise trees too (to measure what they save).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-MAX_WIDTH = 4096      # entries per row one program holds in registers (RMSNorm's hidden size, keys per block...)
-BLOCK_ELEMENTS = 8192  # rows per program x P
-
-
-def pow2(n: int, floor: int = 1) -> int:
-    """The least power of two >= n and >= floor (block widths, tree widths)."""
-    return max(floor, 1 << max(n - 1, 0).bit_length())
-
-
-def _builder(build: Any) -> Any:
-    """A kernel builder, run once: `build(triton, triton.language)` -> the compiled kernel(s), or None where
-    Triton is not there (CPU builds of torch) or TURNRL_EXACT_TRITON=0. `.cache_clear()` rebuilds (tests)."""
-    @functools.lru_cache(maxsize=1)
-    def built() -> Any:
-        if os.environ.get("TURNRL_EXACT_TRITON", "1") == "0":
-            return None
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError:
-            return None
-        return build(triton, tl)
-    return built
-
-
-@_builder
-def _kernel(triton: Any, tl: Any) -> Any:
-
-    @triton.jit
-    def tree_sum_rows(x_ptr, out_ptr, rows, n, BLOCK_ROWS: tl.constexpr, P: tl.constexpr, LEVELS: tl.constexpr):
-        r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        c = tl.arange(0, P)
-        mask = (r[:, None] < rows) & (c[None, :] < n)
-        x = tl.load(x_ptr + r[:, None].to(tl.int64) * n + c[None, :], mask=mask, other=0.0)
-        for level in tl.static_range(LEVELS):
-            # [.., i, 0] = x[i], [.., i, 1] = x[i + half], half = P >> (level + 1)
-            pairs = tl.permute(tl.reshape(x, (BLOCK_ROWS, 2, P >> (level + 1))), (0, 2, 1))
-            first, second = tl.split(pairs)
-            x = first + second
-        tl.store(out_ptr + r, tl.reshape(x, (BLOCK_ROWS,)), mask=r < rows)
-
-    return tree_sum_rows
-
-
-def usable(x: torch.Tensor) -> bool:
-    """`tree_sum_last` takes `x`: float32 on CUDA, rows of at most MAX_WIDTH, Triton there."""
-    return x.is_cuda and x.dtype == torch.float32 and 0 < x.shape[-1] <= MAX_WIDTH and _kernel() is not None
-
-
-def _grid(rows: int, n: int) -> tuple[tuple[int], int, int]:
-    width = pow2(n)
-    block_rows = max(1, min(128, BLOCK_ELEMENTS // width))
-    return ((rows + block_rows - 1) // block_rows,), block_rows, width
-
-
-def _launch(x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[-1]
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, n).contiguous()
-    rows = flat.shape[0]
-    out = torch.empty(rows, dtype=x.dtype, device=x.device)
-    if rows:
-        grid, block_rows, width = _grid(rows, n)
-        # enable_fp_fusion off: nothing here should become an FMA (there is no multiply, but say so)
-        _kernel()[grid](flat, out, rows, n, BLOCK_ROWS=block_rows, P=width, LEVELS=width.bit_length() - 1,
-                        enable_fp_fusion=False)
-    return out.reshape(lead)
-
-
-class _TreeSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.shape = x.shape
-        return _launch(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.unsqueeze(-1).expand(ctx.shape)
-
-
-def tree_sum_last(x: torch.Tensor) -> torch.Tensor:
-    """The tree sum over the last axis of a CUDA float32 tensor (`usable(x)`), differentiable."""
-    return _TreeSum.apply(x)
-
+from turnrl.exact.triton_build import MAX_WIDTH, kernel_builder, pow2
 
 # -- attention ----------------------------------------------------------------------------------------------
 # One program per (row, key/value head, tile of QUERY_TILE queries); keys in blocks of KEY_BLOCK at absolute
@@ -128,7 +34,7 @@ def tree_sum_last(x: torch.Tensor) -> torch.Tensor:
 ATTN_WARPS = 4
 
 
-@_builder
+@kernel_builder
 def _attention_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
@@ -205,7 +111,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Ten
 # -- RMSNorm ------------------------------------------------------------------------------------------------
 # One program per row, the whole row in one block: the mean square's reduction order is fixed by the block
 # width alone (the same compiled kernel for every row of every call), so it is batch-invariant too.
-@_builder
+@kernel_builder
 def _rms_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
@@ -291,7 +197,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_GROUP_M, MM_WARPS, MM_STAGES = 64, 128, 64, 8, 4, 3
 
 
-@_builder
+@kernel_builder
 def _matmul_kernel(triton: Any, tl: Any) -> Any:
 
     @triton.jit
@@ -353,7 +259,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 ELEMENTWISE_BLOCK = 1024
 
 
-@_builder
+@kernel_builder
 def _elementwise_kernels(triton: Any, tl: Any) -> Any:
 
     @triton.jit
@@ -424,68 +330,3 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                                         HALF=d // 2, BLOCK_H=pow2(heads),
                                         BLOCK_D=pow2(d // 2, 16), num_warps=4)
     return out.reshape(x.shape)
-
-
-# -- the head's softmax tree over the vocabulary -----------------------------------------------------------
-# `ops.tree_levels` over a row of V logits pads it to P = 2**k and halves it k times; level b's entry i is the
-# tree over the strided group i, i + W, i + 2W, ... (W = P / 2**b, S = 2**b members), member m paired with
-# m + S / 2 first. This kernel computes the leaves exp(logits / t - max) once (stored: the sampler reads the
-# chosen group's leaves back) and the bottom b levels in registers, group by group, and writes level b only
-# ([rows, W]): the upper levels are then a small plain tree, and the same adds in the same order give the
-# same bits as the full tree would. With V = 151936 that is 4 MB at batch 256 instead of ~2 GB of levels.
-VOCAB_TOP_WIDTH = 4096   # W: width of the first level the kernel writes
-VOCAB_BLOCK = 64         # columns of level b per program
-
-
-@_builder
-def _vocab_kernel(triton: Any, tl: Any) -> Any:
-
-    @triton.jit
-    def exact_vocab_tree(logits_ptr, temp_ptr, top_ptr, leaves_ptr, level_ptr, V, W, s_l,
-                         S: tl.constexpr, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = tl.arange(0, S)
-        idx = m[:, None] * W + c[None, :]
-        live = idx < V
-        t = tl.load(temp_ptr + row)
-        top = tl.load(top_ptr + row)
-        x = tl.load(logits_ptr + row * s_l + idx, mask=live, other=0.0).to(tl.float32)
-        e = tl.where(live, tl.exp(tl.div_rn(x, t) - top), 0.0)
-        tl.store(leaves_ptr + row * V + idx, e, mask=live)
-        for level in tl.static_range(LEVELS):
-            # [i, j, 0] = e[i], [i, j, 1] = e[i + half] along the member axis (half = S >> (level + 1))
-            pairs = tl.permute(tl.reshape(e, (2, S >> (level + 1), BLOCK)), (1, 2, 0))
-            first, second = tl.split(pairs)
-            e = first + second
-        tl.store(level_ptr + row * W + c, tl.reshape(e, (BLOCK,)))
-
-    return exact_vocab_tree
-
-
-def vocab_split(vocab: int) -> tuple[int, int]:
-    """(W, b): the width of the level the kernel writes and how many levels lie below it."""
-    width = pow2(vocab)
-    top = min(width, VOCAB_TOP_WIDTH)
-    return top, (width // top).bit_length() - 1
-
-
-def vocab_usable(logits: torch.Tensor) -> bool:
-    return (logits.is_cuda and logits.dtype == torch.float32 and vocab_split(logits.shape[-1])[1] > 0
-            and _vocab_kernel() is not None)
-
-
-def vocab_tree(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] float32 (unit last stride), temperature [N] and top [N] (the row max of logits / t)
-    -> (leaves exp(logits / t - top) [N, V], level b of their tree [N, W])."""
-    n, vocab = logits.shape
-    width, below = vocab_split(vocab)
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    leaves = torch.empty((n, vocab), dtype=torch.float32, device=logits.device)
-    level = torch.empty((n, width), dtype=torch.float32, device=logits.device)
-    if n:
-        _vocab_kernel()[(n, width // VOCAB_BLOCK)](
-            logits, temperature.float().contiguous(), top.float().contiguous(), leaves, level, vocab, width,
-            logits.stride(0), S=1 << below, LEVELS=below, BLOCK=VOCAB_BLOCK, num_warps=4, enable_fp_fusion=False)
-    return leaves, level

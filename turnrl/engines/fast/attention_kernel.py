@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from turnrl.exact.triton_ops import pow2
+from turnrl.exact.triton_build import pow2
 
 BLOCK_N = 64        # keys per inner step
 SPLIT_KEYS = 512    # about this many of a bucket's positions per split ...
