@@ -51,7 +51,7 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 def graph_ms(fn: Any, repeats: int = 50, calls: int = 1, warmup: int = 1, stream: Any = None) -> float:
     """Median ms per call of `fn` on a CUDA device: `calls` calls captured in one CUDA graph (as the fast engine
     runs its step, so host launch time is not counted), replayed `repeats` times after `warmup` plain calls."""
-    stream = stream if stream is not None else torch.cuda.current_stream()
+    stream = stream if stream is not None else torch.cuda.Stream()   # capture needs a side stream
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
