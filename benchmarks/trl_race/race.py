@@ -8,10 +8,13 @@ and prints step time, trajectories/s, where the time goes, and the reward at eac
 TRL's second generation path on transformers (`use_transformers_continuous_batching`) runs as `trl-hf-cb`.
 Writes results/race-<date>.json. Run it with `bash benchmarks/trl_race/run.sh` (which makes the venv).
 
-`--workload` picks the work (`WORKLOADS`: the main job's calculator, or `wide`, which the project did not tune
-for: three-step expressions up to 60, 4 samples of twice as many prompts, 4 assistant turns of 96 tokens at
-temperature 1, another data seed). `--fp32` runs both sides in float32 (engine and training; TRL without bf16
-autocast), as the independent race did.
+`--workload` picks the work (`WORKLOADS`: the main job's calculator; `wide`, which the project did not tune
+for when it was made (it has been profiled since): three-step expressions up to 60, 4 samples of twice as many
+prompts, 4 assistant turns of 96 tokens at temperature 1, another data seed; `long`, added 2026-12-06 and never
+profiled: one-step expressions up to 99 with no worked example in the prompt, 8 samples of 2 prompts, up to 2
+assistant turns of 160 tokens at temperature 0.7, a third data seed: fewer, longer turns from shorter prompts;
+`long-tools`: the same with the worked example).
+`--fp32` runs both sides in float32 (engine and training; TRL without bf16 autocast), as the independent race did.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ WORKLOADS: dict[str, tuple[list[str], int]] = {
     "calculator": ([], 2),
     "wide": (["data.train.seed=7", "data.train.options.steps=3", "data.train.options.max_value=60", "rollout.n=4",
               "rollout.max_assistant_turns=4", "rollout.max_response_tokens=300",
-              "rollout.sampling.max_tokens_per_turn=96", "rollout.sampling.temperature=1.0"], 4)}
+              "rollout.sampling.max_tokens_per_turn=96", "rollout.sampling.temperature=1.0"], 4),
+    "long": (["data.train.seed=23", "data.train.options.steps=1", "data.train.options.max_value=99",
+              "data.train.options.demo=false", "rollout.max_assistant_turns=2", "rollout.max_response_tokens=320",
+              "rollout.sampling.max_tokens_per_turn=160", "rollout.sampling.temperature=0.7"], 2)}
+# `long` with the worked example back in the prompt: SmolLM2 calls the tool there (without it, never: every
+# `long` trajectory was one turn with reward 0 on both sides, a single-turn race)
+WORKLOADS["long-tools"] = ([o for o in WORKLOADS["long"][0] if o != "data.train.options.demo=false"], 2)
 FP32 = ["engine.dtype=float32", "trainer.dtype=float32"]
 
 
