@@ -52,6 +52,7 @@ def graph_ms(fn: Any, repeats: int = 50, calls: int = 1, warmup: int = 1, stream
     """Median ms per call of `fn` on a CUDA device: `calls` calls captured in one CUDA graph (as the fast engine
     runs its step, so host launch time is not counted), replayed `repeats` times after `warmup` plain calls."""
     stream = stream if stream is not None else torch.cuda.Stream()   # capture needs a side stream
+    stream.wait_stream(torch.cuda.current_stream())                   # fn's inputs may still be in flight
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             fn()
