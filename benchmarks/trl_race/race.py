@@ -15,6 +15,8 @@ profiled: one-step expressions up to 99 with no worked example in the prompt, 8 
 assistant turns of 160 tokens at temperature 0.7, a third data seed: fewer, longer turns from shorter prompts;
 `long-tools`: the same with the worked example).
 `--fp32` runs both sides in float32 (engine and training; TRL without bf16 autocast), as the independent race did.
+`--trl-retain-heap` runs TRL with glibc's malloc keeping freed memory, as turnrl's CPU trainer has it (by default
+TRL faults its activations in again every step: 30-42 s of system time in a 72 s `long` step on this VM).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,11 +50,17 @@ WORKLOADS["long-tools"] = ([o for o in WORKLOADS["long"][0] if o != "data.train.
 FP32 = ["engine.dtype=float32", "trainer.dtype=float32"]
 
 
-def run(cmd: list[str], log: Path) -> tuple[int, float]:
-    print(f"[race] {' '.join(cmd)}  (log: {log})", flush=True)
+# glibc's malloc told through its tunables what turnrl tells it with mallopt (turnrl/train/host_memory.py):
+# keep freed memory instead of handing it back and faulting it in again on the next step
+RETAIN_HEAP_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=2147483647"}
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
+    print(f"[race] {' '.join(cmd)}  (log: {log}){' env ' + str(env) if env else ''}", flush=True)
     start = time.perf_counter()
     with log.open("w") as f:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, **env} if env else None).returncode
     return code, time.perf_counter() - start
 
 
@@ -69,7 +78,8 @@ def turnrl_arm(engine: str, steps: int, out: Path, overrides: list[str]) -> dict
     runs = []
     for r in report["runs"]:
         e = r["engine_stats"]
-        runs.append({"step": r["step"], "step_s": r["step_s"], "cpu_s": r["cpu_s"], "rollout_s": r["rollout_s"],
+        runs.append({"step": r["step"], "step_s": r["step_s"], "cpu_s": r["cpu_s"], "sys_s": r.get("sys_s"),
+                     "minor_faults": r.get("minor_faults"), "rollout_s": r["rollout_s"],
                      "reward_s": r["reward_s"], "tools_s_sum": r["tools_s_sum"],
                      "train_padding_fraction": r["train_padding_fraction"],
                      "train_s": r["logprob_s"] + r["update_s"], "sync_s": r["sync_s"], "other_s": r["other_s"],
@@ -82,13 +92,14 @@ def turnrl_arm(engine: str, steps: int, out: Path, overrides: list[str]) -> dict
             "runs": runs, "report": report}
 
 
-def trl_arm(engine: str, steps: int, out: Path, overrides: list[str], continuous_batching: bool = False
-            ) -> dict[str, Any]:
+def trl_arm(engine: str, steps: int, out: Path, overrides: list[str], continuous_batching: bool = False,
+            retain_heap: bool = False) -> dict[str, Any]:
     name = f"trl-{engine}{'-cb' if continuous_batching else ''}"
     path, log = out / f"{name}.json", out / f"{name}.log"
     cmd = [sys.executable, str(HERE / "trl_arm.py"), "--engine", engine, "--steps", str(steps), "--json", str(path),
            "--set", *overrides]
-    code, wall = run(cmd + (["--continuous-batching"] if continuous_batching else []), log)
+    code, wall = run(cmd + (["--continuous-batching"] if continuous_batching else []), log,
+                     RETAIN_HEAP_ENV if retain_heap else None)
     if code != 0:
         return {"framework": "trl", "engine": engine, "ok": False, "wall_s": wall, "error": tail(log),
                 "continuous_batching": continuous_batching}
@@ -111,15 +122,18 @@ def summarize(arm: dict[str, Any]) -> dict[str, Any]:
     out = {k: median(runs, k) for k in keys}
     out.update({"ok": True, "total_s": sum(r["step_s"] for r in runs), "reward_last_step": runs[-1]["reward_mean"],
                 "reward_by_step": [r["reward_mean"] for r in runs], "step_s_by_step": [r["step_s"] for r in runs],
-                "setup_s": arm["setup_s"]})
+                "sys_s_by_step": [r.get("sys_s") for r in runs], "setup_s": arm["setup_s"],
+                # every arm's first step(s) grow its heap; on this project's VM, memory beyond a process's first
+                # ~5 GB faults in at ~14 us a page (README "The race"): the median without the first step too
+                "step_s_after_first": median(runs[1:], "step_s") if len(runs) > 1 else None})
     return out
 
 
 def table(arms: list[dict[str, Any]]) -> str:
     def fmt(v: Any, spec: str = ".2f") -> str:
         return "-" if v is None else format(v, spec)
-    lines = [f"{'arm':<14} {'step s':>7} {'cpu s':>6} {'traj/s':>7} {'rollout s':>9} {'train s':>8} {'sync s':>7} "
-             f"{'gen calls':>9} {'resp tok':>8} {'reward/step':>18} {'setup s':>7}"]
+    lines = [f"{'arm':<14} {'step s':>7} {'w/o 1st':>7} {'cpu s':>6} {'traj/s':>7} {'rollout s':>9} {'train s':>8} "
+             f"{'sync s':>7} {'gen calls':>9} {'resp tok':>8} {'reward/step':>18} {'setup s':>7}"]
     for arm in arms:
         label = f"{arm['framework']}-{arm['engine']}{'-cb' if arm.get('continuous_batching') else ''}"
         s = arm["summary"]
@@ -127,8 +141,8 @@ def table(arms: list[dict[str, Any]]) -> str:
             lines.append(f"{label:<14} failed: see {label}.log / the JSON's error")
             continue
         rewards = " ".join(fmt(x, ".3f") for x in s["reward_by_step"])
-        lines.append(f"{label:<14} {fmt(s['step_s']):>7} {fmt(s['cpu_s'], '.1f'):>6} "
-                     f"{fmt(s['trajectories_per_s'], '.3f'):>7} "
+        lines.append(f"{label:<14} {fmt(s['step_s']):>7} {fmt(s['step_s_after_first']):>7} "
+                     f"{fmt(s['cpu_s'], '.1f'):>6} {fmt(s['trajectories_per_s'], '.3f'):>7} "
                      f"{fmt(s['rollout_s']):>9} {fmt(s['train_s']):>8} {fmt(s['sync_s']):>7} "
                      f"{fmt(s['generate_calls'], '.0f'):>9} {fmt(s['response_tokens_mean'], '.1f'):>8} "
                      f"{rewards:>18} {fmt(s['setup_s'], '.1f'):>7}")
@@ -146,6 +160,9 @@ def main() -> int:
                    "bf16 where the CPU has it)")
     p.add_argument("--skip-trl-cb", action="store_true",
                    help="leave out TRL with use_transformers_continuous_batching (its other hf generation path)")
+    p.add_argument("--trl-retain-heap", action="store_true",
+                   help="run TRL with glibc's malloc keeping freed memory (GLIBC_TUNABLES; what turnrl's CPU trainer "
+                   "sets with mallopt): TRL without the page faults it pays each step by default")
     p.add_argument("--out", default=None, help="results JSON (default: results/race-<date>.json)")
     a = p.parse_args()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
@@ -157,9 +174,10 @@ def main() -> int:
     arms = []
     for engine in a.engines.split(","):
         arms.append(turnrl_arm(engine, a.steps, work, overrides))
-        arms.append(trl_arm(engine, a.steps, work, overrides))
+        arms.append(trl_arm(engine, a.steps, work, overrides, retain_heap=a.trl_retain_heap))
         if engine == "hf" and not a.skip_trl_cb:
-            arms.append(trl_arm(engine, a.steps, work, overrides, continuous_batching=True))
+            arms.append(trl_arm(engine, a.steps, work, overrides, continuous_batching=True,
+                                retain_heap=a.trl_retain_heap))
     for arm in arms:
         arm["summary"] = summarize(arm)
     speedups = {}
@@ -174,7 +192,10 @@ def main() -> int:
                 continue   # the fastest TRL arm is this engine's own
             if ours["ok"] and other is not None and other["summary"]["ok"]:
                 o = other["summary"]
-                speedups[name] = {"step_time": o["step_s"] / ours["step_s"], "cpu_time": o["cpu_s"] / ours["cpu_s"],
+                after = (o["step_s_after_first"] / ours["step_s_after_first"]
+                         if o["step_s_after_first"] and ours["step_s_after_first"] else None)
+                speedups[name] = {"step_time": o["step_s"] / ours["step_s"], "step_time_after_first": after,
+                                  "cpu_time": o["cpu_s"] / ours["cpu_s"],
                                   "trajectories_per_s": ours["trajectories_per_s"] / o["trajectories_per_s"],
                                   "trl_arm": f"{other['framework']}-{other['engine']}"
                                              f"{'-cb' if other.get('continuous_batching') else ''}"}
@@ -185,6 +206,7 @@ def main() -> int:
                 set(r.get("uids") or []) == set(q.get("uids") or []) for r, q in zip(arm["runs"], ref["runs"]))
     from turnrl.bench.common import machine_info
     result = {"benchmark": "trl_race", "steps": a.steps, "config": CONFIG, "workload": a.workload, "fp32": a.fp32,
+              "trl_env": RETAIN_HEAP_ENV if a.trl_retain_heap else {},
               "overrides": overrides,
               "speedup_turnrl_over_trl": speedups,
               "arms": [{k: v for k, v in arm.items() if k != "report"} for arm in arms],
@@ -194,9 +216,10 @@ def main() -> int:
     out_json.write_text(json.dumps(result, indent=1, default=str))
     print(table(arms))
     for name, s in speedups.items():
+        after = f", {s['step_time_after_first']:.2f}x without step 1" if s["step_time_after_first"] else ""
         print(f"turnrl-{name.split('_')[0]} vs {s['trl_arm']}: {s['step_time']:.2f}x faster per step "
               f"({s['cpu_time']:.2f}x less CPU time), {s['trajectories_per_s']:.2f}x trajectories/s "
-              f"(medians over {a.steps} steps)")
+              f"(medians over {a.steps} steps{after})")
     print(f"wrote {out_json} (logs in {work})")
     return 0
 

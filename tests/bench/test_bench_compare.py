@@ -79,5 +79,6 @@ def test_compare_configs_runs_bench_step_on_both(tmp_path, capsys):
         assert phases == pytest.approx(run["step_s"])
         assert set(rep["summary"]) >= {"rollout_s", "update_s", "step_s", "trajectories_per_s"}
         assert len(run["uids"]) == 1 and 0 <= run["train_padding_fraction"] < 1
+        assert 0 <= run["sys_s"] <= run["cpu_s"] and run["minor_faults"] >= 0
     assert "step_s" in saved["figures"] and "rollout_s" in capsys.readouterr().out
     assert (out.with_suffix("") / "step-a-a.json").exists()

@@ -4,8 +4,10 @@ Runs `Trainer.train_step` for `warmup + steps` steps of a config and reads the p
 measures itself (`time/rollout_s`, `time/reward_s`, `time/logprob_s`, `time/update_s`, `time/sync_s`,
 `time/step_s`); `other` is the step's remainder (data, batching, metrics, saving samples). The engine's
 counters (requests = generate calls, tokens, decode steps, where the engine keeps them) are read around
-each step. Warm-up steps (kernel compilation, allocator growth) are kept in `runs` but left out of the
-summary. Nothing is checkpointed; the run directory is temporary unless `out` is given.
+each step, and so are the process's system CPU time and minor page faults (`sys_s`, `minor_faults`: a CPU
+step that grows its heap faults the new memory in). Warm-up steps (kernel compilation, allocator growth) are
+kept in `runs` but left out of the summary. Nothing is checkpointed; the run directory is temporary unless
+`out` is given.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from turnrl.bench.common import cpu_seconds, delta, engine_stats, machine_info, spread
+from turnrl.bench.common import cpu_seconds, delta, engine_stats, host_counters, machine_info, spread
 from turnrl.config import Config, to_dict
 from turnrl.ledger import Trajectory
 from turnrl.llm import close_all as close_llm_clients
@@ -54,13 +56,13 @@ async def _run(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     try:
         for step in range(warmup + steps):
             load = os.getloadavg()[0]
-            before, cpu = engine_stats(trainer.engine), cpu_seconds()
+            before, cpu, host = engine_stats(trainer.engine), cpu_seconds(), host_counters()
             m = await trainer.train_step(step)
-            cpu = cpu_seconds() - cpu
+            cpu, host = cpu_seconds() - cpu, delta(host_counters(), host)
             phases = {f"{p}_s": m[f"time/{p}_s"] for p in PHASES}
             runs.append({"step": step + 1, "warmup": step < warmup, "loadavg_1m": load, **phases,
                          "other_s": m["time/step_s"] - sum(phases.values()),
-                         "step_s": m["time/step_s"], "cpu_s": cpu, "trajectories": m["trajectories"],
+                         "step_s": m["time/step_s"], "cpu_s": cpu, **host, "trajectories": m["trajectories"],
                          "trajectories_per_s": m["trajectories"] / m["time/step_s"],
                          "rollout_tokens_per_s": m["throughput/tokens_per_s"],
                          "train_tokens_per_s": m["throughput/train_tokens_per_s"],
@@ -101,14 +103,15 @@ def format_report(report: dict[str, Any]) -> str:
              f"{cfg['data']['prompts_per_step']} prompts x n={r['n']}, lora rank {cfg['model']['lora']['rank']}, "
              f"setup {report['setup_s']:.1f} s",
              f"{'step':>4} {'rollout':>8} {'reward':>7} {'logprob':>8} {'update':>7} {'sync':>6} {'other':>6} "
-             f"{'step s':>7} {'traj/s':>7} {'gen tok/s':>9} {'reward':>7} {'turns':>5} {'calls':>5} {'load':>5}"]
+             f"{'step s':>7} {'traj/s':>7} {'gen tok/s':>9} {'reward':>7} {'turns':>5} {'calls':>5} {'load':>5} "
+             f"{'sys s':>6}"]
     for run in report["runs"]:
         lines.append(f"{run['step']:>3}{'w' if run['warmup'] else ' '} {run['rollout_s']:>8.2f} "
                      f"{run['reward_s']:>7.3f} "
                      f"{run['logprob_s']:>8.2f} {run['update_s']:>7.2f} {run['sync_s']:>6.2f} {run['other_s']:>6.2f} "
                      f"{run['step_s']:>7.2f} {run['trajectories_per_s']:>7.3f} {run['rollout_tokens_per_s']:>9.1f} "
                      f"{run['reward_mean']:>7.3f} {run['turns_mean']:>5.2f} {run['tool_calls']:>5} "
-                     f"{run['loadavg_1m']:>5.1f}")
+                     f"{run['loadavg_1m']:>5.1f} {run['sys_s']:>6.2f}")
     lines.append(f"  {'over measured steps (w: warm-up)':<34} {'min':>9} {'median':>9} {'max':>9}")
     for key, spread in report["summary"].items():
         lines.append(f"  {key:<34} {spread['min']:>9.3f} {spread['median']:>9.3f} {spread['max']:>9.3f}")
