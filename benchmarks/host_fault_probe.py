@@ -4,7 +4,7 @@
 
 Each block is allocated (torch.empty), written once (every page faults in) and kept, so the process grows by
 `--block-gb` each time; the system CPU time and minor faults of each touch are read with getrusage. On this
-project's 2-core VM the first ~6 GB faulted in at ~1.4 us a page and memory beyond it at ~11-14 us (the guest's
+project's 2-core VM the first ~4-5 GB faulted in at ~1.4 us a page and memory beyond at ~6-14 us (the guest's
 fresh pages are backed by the host on first touch), which is what made the race's vLLM arm slow in the steps
 where its heap grew (README "The race against TRL").
 """

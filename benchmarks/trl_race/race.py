@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from turnrl.train.host_memory import KEEP_TOP_BYTES, MMAP_FROM_BYTES
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CONFIG = "examples/calculator/train.yaml"
@@ -52,7 +54,8 @@ FP32 = ["engine.dtype=float32", "trainer.dtype=float32"]
 
 # glibc's malloc told through its tunables what turnrl tells it with mallopt (turnrl/train/host_memory.py):
 # keep freed memory instead of handing it back and faulting it in again on the next step
-RETAIN_HEAP_ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=2147483647"}
+RETAIN_HEAP_ENV = {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_FROM_BYTES}:"
+                                     f"glibc.malloc.trim_threshold={KEEP_TOP_BYTES}"}
 
 
 def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, float]:

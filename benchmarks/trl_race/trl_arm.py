@@ -81,7 +81,6 @@ class Meter:
         self.steps: list[dict[str, Any]] = []
         self.current = self._fresh()
         self.last_end = None
-        self.last_cpu = 0.0
         self.last_host: dict[str, float] = {}
 
     @staticmethod
@@ -234,7 +233,7 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
-    from turnrl.bench.common import cpu_seconds, delta, host_counters, machine_info, spread
+    from turnrl.bench.common import delta, host_counters, machine_info, spread
     from turnrl.models import resolve
 
     cfg = load_race_config([f"engine.kind={a.engine}", *a.overrides])
@@ -282,14 +281,12 @@ def main() -> int:
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            meter.last_end, meter.last_cpu, meter.last_host = time.perf_counter(), cpu_seconds(), host_counters()
+            meter.last_end, meter.last_host = time.perf_counter(), host_counters()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            now, cpu = time.perf_counter(), cpu_seconds()
+            now, host = time.perf_counter(), host_counters()
             meter.current["step_s"] = now - meter.last_end
-            meter.current["cpu_s"], meter.last_cpu = cpu - meter.last_cpu, cpu
-            host = host_counters()
-            meter.current["host"], meter.last_host = delta(host, meter.last_host), host
+            meter.current["host"], meter.last_host = delta(host, meter.last_host), host   # cpu_s, sys_s, faults
             meter.current["loadavg_1m"] = os.getloadavg()[0]
             meter.steps.append(meter.current)
             meter.current, meter.last_end = Meter._fresh(), now
@@ -317,7 +314,7 @@ def main() -> int:
         real = sum(f["tokens"] for f in train_passes)
         other_rollout = m["rollout_s"] - m["generate_s"] - m["tools_s"] - m["reward_s"]
         runs.append({
-            "step": i + 1, "loadavg_1m": m["loadavg_1m"], "step_s": m["step_s"], "cpu_s": m["cpu_s"], **m["host"],
+            "step": i + 1, "loadavg_1m": m["loadavg_1m"], "step_s": m["step_s"], **m["host"],
             "rollout_s": m["rollout_s"],
             "generate_s": m["generate_s"] - m["sync_s"], "sync_s": m["sync_s"], "tools_s": m["tools_s"],
             "reward_s": m["reward_s"], "rollout_other_s": other_rollout, "train_s": m["step_s"] - m["rollout_s"],

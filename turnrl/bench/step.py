@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from turnrl.bench.common import cpu_seconds, delta, engine_stats, host_counters, machine_info, spread
+from turnrl.bench.common import delta, engine_stats, host_counters, machine_info, spread
 from turnrl.config import Config, to_dict
 from turnrl.ledger import Trajectory
 from turnrl.llm import close_all as close_llm_clients
@@ -56,13 +56,13 @@ async def _run(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
     try:
         for step in range(warmup + steps):
             load = os.getloadavg()[0]
-            before, cpu, host = engine_stats(trainer.engine), cpu_seconds(), host_counters()
+            before, host = engine_stats(trainer.engine), host_counters()
             m = await trainer.train_step(step)
-            cpu, host = cpu_seconds() - cpu, delta(host_counters(), host)
+            host = delta(host_counters(), host)   # cpu_s, sys_s, minor_faults
             phases = {f"{p}_s": m[f"time/{p}_s"] for p in PHASES}
             runs.append({"step": step + 1, "warmup": step < warmup, "loadavg_1m": load, **phases,
                          "other_s": m["time/step_s"] - sum(phases.values()),
-                         "step_s": m["time/step_s"], "cpu_s": cpu, **host, "trajectories": m["trajectories"],
+                         "step_s": m["time/step_s"], **host, "trajectories": m["trajectories"],
                          "trajectories_per_s": m["trajectories"] / m["time/step_s"],
                          "rollout_tokens_per_s": m["throughput/tokens_per_s"],
                          "train_tokens_per_s": m["throughput/train_tokens_per_s"],
