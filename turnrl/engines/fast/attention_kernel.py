@@ -5,7 +5,8 @@ bucket (a multiple of 128 covering the longest row), through two batched GEMMs a
 [B, heads, n_kv] scores: three kernels and a score tensor in memory per layer, and the keys past a row's own
 position read for nothing. Here a program takes one (row, key/value head, split of the row's live keys
 [0, pos]): its queries (the group of heads sharing that key/value head) against its keys in blocks, with an
-online softmax, writing a partial maximum, sum and output; a second kernel combines a row's splits. A row
+online softmax, writing a partial maximum, sum and output; a second kernel combines a row's splits (with one
+split a row, for buckets under 2 x SPLIT_KEYS positions, the program writes the output and no combine runs). A row
 reads only its own live keys; long caches are split (one split per SPLIT_KEYS positions of the bucket, so a
 few long rows still spread over the machine). On the H200 at batch 256 x 512 positions it takes 17 us a
 layer against the torch path's 63 (benchmarks/results/h200_decode_attention_probe_2026-12-04.json). Not
@@ -33,8 +34,8 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def split_attention(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, m_ptr, l_ptr, acc_ptr, KV, G, D, per_split,
-                        scale, sq_b, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, SPLITS: tl.constexpr,
+    def split_attention(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, KV, G, D,
+                        per_split, scale, sq_b, sk_s, sk_h, sk_l, sv_s, sv_h, sv_l, so_b, SPLITS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WIDEN: tl.constexpr,
                         ROPE: tl.constexpr):
         bh = tl.program_id(0)
@@ -79,10 +80,14 @@ def _kernels() -> tuple[Any, Any]:
             total = total * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             top = new_top
-        at = (bh * SPLITS + split) * BLOCK_M + g
-        tl.store(m_ptr + at, top)
-        tl.store(l_ptr + at, total)
-        tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
+        if SPLITS == 1:     # the row's only split holds key 0 (total > 0): its output, with no combine kernel
+            tl.store(out_ptr + b.to(tl.int64) * so_b + (h * G + g[:, None]) * D + d[None, :],
+                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            at = (bh * SPLITS + split) * BLOCK_M + g
+            tl.store(m_ptr + at, top)
+            tl.store(l_ptr + at, total)
+            tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
 
     @triton.jit
     def combine(m_ptr, l_ptr, acc_ptr, out_ptr, KV, G, D, so_b, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -113,8 +118,8 @@ def splits_for(n_kv: int, split_keys: int = SPLIT_KEYS) -> int:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_kv: int,
                      scaling: float, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                     block_n: int = BLOCK_N, split_keys: int | None = None, warps: int = WARPS,
-                     stages: int = STAGES) -> torch.Tensor:
+                     block_n: int | None = None, split_keys: int | None = None, warps: int | None = None,
+                     stages: int | None = None) -> torch.Tensor:
     """`decoder.decode_attention` in two kernels: q [B, heads, D] (last two axes contiguous) of slots [0, B),
     keys/values [slots, kv, max_len, D], each row seeing its positions [0, pos] -> [B, heads * D]. With the
     rotary tables cos/sin [max_len, D] (contiguous), q is given unrotated and rotated at its position pos as it
@@ -126,12 +131,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if rope and (sin is None or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != dim):
         raise ValueError("decode_attention: cos and sin must both be given, contiguous [max_len, head_dim]")
     q = q if q.stride(-1) == 1 and q.stride(-2) == dim else q.contiguous()
-    splits = splits_for(n_kv, split_keys or SPLIT_KEYS)   # the module's value at call time (benchmarks set it)
+    # the blocking: the arguments, else the module's values at call time (benchmarks set them)
+    block_n, warps, stages = block_n or BLOCK_N, warps or WARPS, stages or STAGES
+    splits = splits_for(n_kv, split_keys or SPLIT_KEYS)
     per_split = -(-n_kv // splits)
     per_split = -(-per_split // block_n) * block_n
     block_m = pow2(group, 16)
     block_d = pow2(dim, 16)
-    parts = batch * kv * splits * block_m
+    parts = batch * kv * splits * block_m if splits > 1 else 0     # one split writes `out` itself
     m = torch.empty(parts, dtype=torch.float32, device=q.device)
     total = torch.empty(parts, dtype=torch.float32, device=q.device)
     acc = torch.empty((parts, block_d), dtype=torch.float32, device=q.device)
@@ -139,12 +146,13 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if batch:
         split_attention, combine = _kernels()
         split_attention[(batch * kv, splits)](
-            q, keys, values, pos, cos if rope else q, sin if rope else q, m, total, acc, kv, group, dim, per_split,
-            float(scaling),
+            q, keys, values, pos, cos if rope else q, sin if rope else q, m, total, acc, out, kv, group, dim,
+            per_split, float(scaling),
             q.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2),
+            values.stride(0), values.stride(1), values.stride(2), out.stride(0),
             SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, WIDEN=not q.is_cuda, ROPE=rope,
             num_warps=warps, num_stages=stages)
+    if batch and splits > 1:
         combine[(batch * kv,)](m, total, acc, out, kv, group, dim, out.stride(0), SPLITS=splits, BLOCK_M=block_m,
                                BLOCK_D=block_d, num_warps=4)
     return out

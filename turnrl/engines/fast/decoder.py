@@ -310,6 +310,17 @@ def post_attention(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, shape: 
     return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
+def post_attention_parts(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
+                         shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """`post_attention` without its two residual sums: the output projection o and the MLP's output m, where
+    post_attention(x) == (x + o) + m in the same order. A decode step adds them at the next layer's norm: under
+    torch.compile a sum `x + product` whose result leaves the graph becomes cuBLAS's addmm, which first copies x
+    into its output (a device-to-device copy a product, 48 a step for 24 layers)."""
+    o = F.linear(attn, w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x + o, w.ln2, shape.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return o, F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_kv: int,
                      scaling: float) -> torch.Tensor:
     """q [B, heads, D] of the first B slots against their cached keys/values [slots, kv, max_len, D], positions

@@ -1,17 +1,18 @@
 """The device side of one decode step: per-slot state, the step's pieces, one CUDA graph per variant.
 
-A step for slots [0, B) over cache positions [0, n_kv): embed each slot's last token, run the layers (the
-pure pieces `pre` and `post` around the cache write), then head + sampling + stop/length bookkeeping
-(`finish`), and store the results in the preallocated per-slot tensors. Nothing is allocated outside the
-step and nothing is read back to the host, so the whole step is captured as a CUDA graph: for each variant
-(B, n_kv, truncation, greedy rows) the first step runs for real (compiling on first use), then is captured
-and replayed from then on. Graphs share one memory pool: they never run concurrently and keep no outputs in
-it. With `compile`, `pre` and `post` go through torch.compile with dynamic shapes (one compilation serves
-every bucket), each falling back to its plain function if compiling fails; `finish` stays eager (on the
-H200's torch 2.11, inductor failed on it in every try: a scheduler error in split reductions over a 152k
-vocabulary, a Triton compile error in the fused hash kernel). Its sampling, where no request truncates, is two
-hand-written Triton kernels on CUDA (sample_kernel.py), falling back to the torch sampler if they fail. Where
-the cache-write and decode attention kernels run (CUDA, bf16/fp16), the rotary embedding happens inside them
+A step for slots [0, B) over cache positions [0, n_kv): embed each slot's last token, run the layers (the pure
+pieces `pre` and `post` around the cache write; `post` leaves its two residual sums to the next `pre`), then
+head + sampling + stop/length bookkeeping (`finish`), and store the results in the preallocated per-slot
+tensors. Nothing is allocated outside the step and nothing is read back to the host, so the whole step is
+captured as a CUDA graph: for each variant (B, n_kv, truncation, greedy rows) the first step runs for real
+(compiling on first use), then is captured and replayed from then on. Graphs share one memory pool: they never
+run concurrently and keep no outputs in it. With `compile`, `pre` and `post` go through torch.compile with
+dynamic shapes (one compilation serves every bucket), each falling back to its plain function if compiling
+fails; `finish` stays eager (on the H200's torch 2.11, inductor failed on it in every try: a scheduler error
+in split reductions over a 152k vocabulary, a Triton compile error in the fused hash kernel) but for its
+stop/length bookkeeping, compiled on its own. Its sampling, where no request truncates, is two hand-written Triton kernels
+on CUDA (sample_kernel.py), falling back to the torch sampler if they fail. Where the cache-write and decode
+attention kernels run (CUDA, bf16/fp16), the rotary embedding happens inside them
 (`fused_rope`): `pre` returns q and k unrotated, the write rotates the key and attention the query.
 """
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from turnrl.engines.fast import attention_kernel, sample_kernel
 from turnrl.engines.fast.cache_kernel import write_kv
 from turnrl.engines.fast.decoder import (SlotDecoder, decode_attention, exact_decode_attention, head, model_logits,
-                                         post_attention, pre_attention, project_qkv, rope)
+                                         post_attention_parts, pre_attention, project_qkv, rope)
 from turnrl.engines.fast.sample_kernel import fused_sample
 from turnrl.engines.fast.sampling import sample, sample_exact, uniform
 from turnrl.exact import model as exact_model
@@ -63,9 +64,11 @@ def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_b
                 eps: float, temperature: torch.Tensor, key: torch.Tensor, count: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, active: torch.Tensor, stop: torch.Tensor, max_tokens: torch.Tensor,
                 last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool, exact: bool = False,
-                fused: bool = False) -> tuple[torch.Tensor, ...]:
+                fused: bool = False, bookkeep: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+                ) -> tuple[torch.Tensor, ...]:
     """Head, sampling and the stop/length bookkeeping of one decode step (pure; the caller stores it). `fused`:
-    sampling without truncation through the Triton kernels (sample_kernel.py) on the model-dtype logits."""
+    sampling without truncation through the Triton kernels (sample_kernel.py) on the model-dtype logits;
+    `bookkeep`: `bookkeeping` or a compiled copy of it."""
     if exact:
         tokens, logprobs = sample_exact(exact_ops.head_logits(x, norm, lm_head, lm_bias, eps), temperature, key, count)
     elif fused and not truncate:
@@ -73,10 +76,17 @@ def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_b
     else:
         tokens, logprobs = sample(head(x, norm, lm_head, lm_bias, eps), temperature, key, count, top_k, top_p,
                                   truncate, greedy)
+    return (tokens, logprobs, *(bookkeep or bookkeeping)(tokens, count, active, stop, max_tokens, last, pos))
+
+
+def bookkeeping(tokens: torch.Tensor, count: torch.Tensor, active: torch.Tensor, stop: torch.Tensor,
+                max_tokens: torch.Tensor, last: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A step's stop/length bookkeeping (integers only): count, still running, last token, position, status.
+    Eager it is a dozen small kernels a step; compiled, one or two."""
     count_after = count + active.long()
     done = active & ((tokens[:, None] == stop).any(dim=1) | (count_after >= max_tokens))
     still = active & ~done
-    return (tokens, logprobs, count_after, still, torch.where(active, tokens, last), pos + still.long(),
+    return (count_after, still, torch.where(active, tokens, last), pos + still.long(),
             torch.where(still, count_after, -1 - count_after))
 
 
@@ -204,10 +214,12 @@ class DecodeStep:
 
         fused_rope = self.fused_rope    # q and k leave unrotated: the cache write and attention kernels rotate
 
-        def pre(x, w, cos, sin):
+        def pre(x, w, cos, sin, pending):
+            for part in pending:        # the last layer's residual sums (`post`), fused into this norm's kernel
+                x = x + part
             if fused_rope:
-                return project_qkv(x, w, shape)
-            return (exact_model.pre_attention if exact else pre_attention)(x, w, cos, sin, shape)
+                return (*project_qkv(x, w, shape), x)
+            return (*(exact_model.pre_attention if exact else pre_attention)(x, w, cos, sin, shape), x)
 
         def attend(q, keys, values, pos, n_kv):
             if exact:
@@ -215,20 +227,25 @@ class DecodeStep:
             return decode_attention(q, keys, values, pos, n_kv, shape.scaling)
 
         def post(x, attn, w):
-            return (exact_model.post_attention if exact else post_attention)(x, attn, w, shape)
+            if exact:
+                return exact_model.post_attention(x, attn, w, shape), ()
+            return x, post_attention_parts(x, attn, w, shape)
+
+        # the bookkeeping compiled on its own (inductor failed on the whole `finish`, see the module docstring)
+        bookkeep = Compiled("bookkeeping", bookkeeping, self.notes) if compiled and not exact else bookkeeping
 
         def finish(x, temperature, key, count, top_k, top_p, active, stop, max_tokens, last, pos, truncate, greedy):
             args = (x, d.norm, d.lm_head, d.lm_head_bias, shape.eps, temperature, key, count, top_k, top_p, active,
                     stop, max_tokens, last, pos, truncate, greedy, exact)
             if self.fused and not truncate:
                 try:
-                    return finish_step(*args, fused=True)
+                    return finish_step(*args, fused=True, bookkeep=bookkeep)
                 except Exception as exc:  # noqa: BLE001 - a Triton build or launch failure: the torch sampler
                     self.fused = False
                     self.notes.append(f"the fused sampling kernels failed, sampling runs in torch: "
                                       f"{type(exc).__name__}: {str(exc)[:300]}")
                     log.warning(self.notes[-1])
-            return finish_step(*args)
+            return finish_step(*args, bookkeep=bookkeep)
         rotary = self._tables(fused_rope)
 
         def kernel_attend(q, keys, values, pos, n_kv):   # split-key Triton kernels over the live positions
@@ -264,10 +281,13 @@ class DecodeStep:
         rows, pos = s.rows[:batch], s.pos[:batch]
         x = F.embedding(s.last[:batch], d.embed)
         cos, sin = (None, None) if self.fused_rope else (d.cos[pos][:, None], d.sin[pos][:, None])
+        pending: tuple[torch.Tensor, ...] = ()    # what `post` left to add to x: (o, mlp), or () in exact mode
         for i, w in enumerate(d.layers):
-            q, k, v = u["pre"](x, w, cos, sin)
+            q, k, v, x = u["pre"](x, w, cos, sin, pending)
             d.write(i, k, v, rows, pos, rotate=self.fused_rope)
-            x = u["post"](x, u["attend"](q, d.keys[i], d.values[i], pos, n_kv), w)
+            x, pending = u["post"](x, u["attend"](q, d.keys[i], d.values[i], pos, n_kv), w)
+        for part in pending:
+            x = x + part
         return x
 
 
