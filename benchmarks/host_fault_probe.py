@@ -13,22 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 
 import torch
+
+from turnrl.bench.common import delta, host_counters, machine_info
 
 
 def touch_blocks(block_bytes: int, blocks: int) -> list[dict[str, float]]:
     kept, rows = [], []
     for i in range(blocks):
-        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        before, start = host_counters(), time.perf_counter()
         block = torch.empty(block_bytes // 4, dtype=torch.float32)
         block.fill_(1.0)
-        seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+        seconds, used = time.perf_counter() - start, delta(host_counters(), before)
         kept.append(block)
-        faults = after.ru_minflt - before.ru_minflt
-        sys_s = after.ru_stime - before.ru_stime
+        faults, sys_s = used["minor_faults"], used["sys_s"]
         rows.append({"block": i, "held_gb": (i + 1) * block_bytes / 2**30, "seconds": seconds, "sys_s": sys_s,
                      "minor_faults": faults, "us_per_fault": 1e6 * sys_s / max(faults, 1),
                      "gb_per_s": block_bytes / 2**30 / seconds})
@@ -46,7 +46,6 @@ def main() -> None:
         print(f"block {r['block']} (held {r['held_gb']:.0f} GB): {r['seconds']:.2f} s, sys {r['sys_s']:.2f} s, "
               f"{r['minor_faults']} faults, {r['us_per_fault']:.1f} us a fault, {r['gb_per_s']:.2f} GB/s")
     if a.json:
-        from turnrl.bench.common import machine_info
         with open(a.json, "w") as f:
             json.dump({"benchmark": "host_fault_probe", "threads": torch.get_num_threads(), "blocks": rows,
                        "machine": machine_info()}, f, indent=1)

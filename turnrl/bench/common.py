@@ -31,12 +31,11 @@ def machine_info() -> dict[str, Any]:
 def cpu_seconds() -> float:
     """CPU time of this process, all threads (user + system). Less sensitive than wall time to other
     programs on a shared machine: a step that waits for the CPU accrues wall time, not CPU time."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return host_counters()["cpu_s"]
 
 
 def host_counters() -> dict[str, float]:
-    """This process's CPU time (`cpu_s`, as `cpu_seconds`), its system part and its minor page faults so far,
+    """This process's CPU time (`cpu_s`: user + system), its system part and its minor page faults so far,
     from one getrusage: a CPU step that faults its heap in again (memory handed back to the kernel and zeroed
     on the next touch) shows in the last two."""
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -306,19 +306,23 @@ def project_qkv(x: torch.Tensor, w: LayerWeights, shape: Shape) -> tuple[torch.T
 def post_attention(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights, shape: Shape) -> torch.Tensor:
     """The residual stream after the attention output projection and the MLP block."""
     x = x + F.linear(attn, w.o, w.o_bias)
+    return x + mlp_block(x, w, shape)
+
+
+def mlp_block(x: torch.Tensor, w: LayerWeights, shape: Shape) -> torch.Tensor:
+    """The MLP's output (its own norm included) for the residual stream x, before its residual sum."""
     gate, up = F.linear(rms_norm(x, w.ln2, shape.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    return F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
 def post_attention_parts(x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
                          shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """`post_attention` without its two residual sums: the output projection o and the MLP's output m, where
-    post_attention(x) == (x + o) + m in the same order. A decode step adds them at the next layer's norm: under
+    """`post_attention` without its two residual sums: the output projection o and the MLP's output m
+    (post_attention is (x + o) + m). A decode step adds them at the next layer's norm: under
     torch.compile a sum `x + product` whose result leaves the graph becomes cuBLAS's addmm, which first copies x
     into its output (a device-to-device copy a product, 48 a step for 24 layers)."""
     o = F.linear(attn, w.o, w.o_bias)
-    gate, up = F.linear(rms_norm(x + o, w.ln2, shape.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return o, F.linear(F.silu(gate) * up, w.down, w.down_bias)
+    return o, mlp_block(x + o, w, shape)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n_kv: int,

@@ -10,10 +10,10 @@ run concurrently and keep no outputs in it. With `compile`, `pre` and `post` go 
 dynamic shapes (one compilation serves every bucket), each falling back to its plain function if compiling
 fails; `finish` stays eager (on the H200's torch 2.11, inductor failed on it in every try: a scheduler error
 in split reductions over a 152k vocabulary, a Triton compile error in the fused hash kernel) but for its
-stop/length bookkeeping, compiled on its own. Its sampling, where no request truncates, is two hand-written Triton kernels
-on CUDA (sample_kernel.py), falling back to the torch sampler if they fail. Where the cache-write and decode
-attention kernels run (CUDA, bf16/fp16), the rotary embedding happens inside them
-(`fused_rope`): `pre` returns q and k unrotated, the write rotates the key and attention the query.
+stop/length bookkeeping, compiled on its own. Its sampling, where no request truncates, is two hand-written
+Triton kernels on CUDA (sample_kernel.py), falling back to the torch sampler if they fail. Where the cache-write
+and decode attention kernels run (CUDA, bf16/fp16), the rotary embedding happens inside them (`fused_rope`):
+`pre` returns q and k unrotated, the write rotates the key and attention the query.
 """
 
 from __future__ import annotations
@@ -60,11 +60,22 @@ class SlotState:
         self.rows = torch.arange(slots, device=device)         # [S]
 
 
+def bookkeeping(tokens: torch.Tensor, count: torch.Tensor, active: torch.Tensor, stop: torch.Tensor,
+                max_tokens: torch.Tensor, last: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A step's stop/length bookkeeping (integers only): count, still running, last token, position, status.
+    Eager it is a dozen small kernels a step; compiled, one or two."""
+    count_after = count + active.long()
+    done = active & ((tokens[:, None] == stop).any(dim=1) | (count_after >= max_tokens))
+    still = active & ~done
+    return (count_after, still, torch.where(active, tokens, last), pos + still.long(),
+            torch.where(still, count_after, -1 - count_after))
+
+
 def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_bias: torch.Tensor | None,
                 eps: float, temperature: torch.Tensor, key: torch.Tensor, count: torch.Tensor, top_k: torch.Tensor,
                 top_p: torch.Tensor, active: torch.Tensor, stop: torch.Tensor, max_tokens: torch.Tensor,
                 last: torch.Tensor, pos: torch.Tensor, truncate: bool, greedy: bool, exact: bool = False,
-                fused: bool = False, bookkeep: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+                fused: bool = False, bookkeep: Callable[..., tuple[torch.Tensor, ...]] = bookkeeping,
                 ) -> tuple[torch.Tensor, ...]:
     """Head, sampling and the stop/length bookkeeping of one decode step (pure; the caller stores it). `fused`:
     sampling without truncation through the Triton kernels (sample_kernel.py) on the model-dtype logits;
@@ -76,18 +87,7 @@ def finish_step(x: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, lm_b
     else:
         tokens, logprobs = sample(head(x, norm, lm_head, lm_bias, eps), temperature, key, count, top_k, top_p,
                                   truncate, greedy)
-    return (tokens, logprobs, *(bookkeep or bookkeeping)(tokens, count, active, stop, max_tokens, last, pos))
-
-
-def bookkeeping(tokens: torch.Tensor, count: torch.Tensor, active: torch.Tensor, stop: torch.Tensor,
-                max_tokens: torch.Tensor, last: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A step's stop/length bookkeeping (integers only): count, still running, last token, position, status.
-    Eager it is a dozen small kernels a step; compiled, one or two."""
-    count_after = count + active.long()
-    done = active & ((tokens[:, None] == stop).any(dim=1) | (count_after >= max_tokens))
-    still = active & ~done
-    return (count_after, still, torch.where(active, tokens, last), pos + still.long(),
-            torch.where(still, count_after, -1 - count_after))
+    return (tokens, logprobs, *bookkeep(tokens, count, active, stop, max_tokens, last, pos))
 
 
 class DecodeStep:
