@@ -10,15 +10,22 @@ heads: 14 query heads, 2 key/value heads, head size 64; 64 rows of 512-1024 toke
   lanes_flash    the same lanes through SDPA's flash kernel
   padded_cudnn   SDPA's cuDNN kernel on all rows padded to the longest
   flex           FlexAttention (compiled) over the packed row with a block mask of the rows
-Each variant's output on the real tokens is compared with varlen_fa2's. FLOPs are the causal ones actually
-needed (4 D H per query-key pair forward, 2.5x that backward), the same count for every variant.
+  triton         turnrl's Triton kernels (`turnrl/train/flash_kernel.py`, trainer.packed_attention: triton) at
+                 the module's blocking, `triton_atomic_dq` with its ATOMIC_DQ (FA2's one-kernel backward),
+                 and `triton_<kernel>_<blocking>` for each blocking in --triton-forward,
+                 --triton-keys, --triton-queries (program block:step block:warps:stages), the others at default
+Each variant's output on the real tokens is compared with varlen_fa2's, and the triton variants' gradients
+with varlen_fa2's too (FA2's own run-to-run spread is reported beside them: its dQ is summed with atomics).
+FLOPs are the causal ones actually needed (4 D H per query-key pair forward, 2.5x that backward), the same
+count for every variant.
 
-    PYTHONPATH=. python benchmarks/attention_backends_probe.py --json OUT.json
+    PYTHONPATH=. python benchmarks/attention_backends_probe.py --json OUT.json [--variants varlen_fa2,triton]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from typing import Callable
@@ -62,8 +69,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
+    ap.add_argument("--triton-forward", default="", help="forward blockings to sweep, e.g. 128:64:4:3,128:128:8:3")
+    ap.add_argument("--triton-keys", default="", help="dK/dV kernel blockings to sweep")
+    ap.add_argument("--triton-queries", default="", help="dQ kernel blockings to sweep")
     args = ap.parse_args()
 
+    from turnrl.train import flash_kernel
     from turnrl.train.packing import _varlen, _varlen_params
     import torch.nn.attention.varlen as varlen_mod
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -167,6 +179,21 @@ def main() -> None:
             return out[0].transpose(0, 1)[:n]
         return step
 
+    defaults = {name: getattr(flash_kernel, name) for name in ("FORWARD", "KEYS", "QUERIES", "ATOMIC_DQ")}
+
+    def triton_step(kernel: str | None, blocking: tuple[int, ...] | bool | None) -> Callable[[], torch.Tensor]:
+        for name, value in defaults.items():
+            setattr(flash_kernel, name, blocking if name == kernel else value)
+        return lambda: flash_kernel.packed_attention(q, k, v, cu, longest, scale)
+
+    def grads_of(step: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        q.grad = k.grad = v.grad = None
+        torch.manual_seed(args.seed + 1)
+        step().backward(torch.randn(n, hq, d, device=dev, dtype=dt))
+        out = [x.grad.float().clone() for x in (q, k, v)]
+        q.grad = k.grad = v.grad = None
+        return out
+
     variants: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
         "varlen_fa2": lambda: (lambda: _varlen(q, k, v, cu, longest, scale)),
         "varlen_cudnn": lambda: varlen_cudnn,
@@ -176,8 +203,20 @@ def main() -> None:
         "lanes_flash_kernel_only": lambda: lanes_kernel(SDPBackend.FLASH_ATTENTION, args.lane),
         "padded_cudnn": lambda: sdpa_lanes(SDPBackend.CUDNN_ATTENTION, len(lengths)),
         "flex": flex,
+        "triton": lambda: triton_step(None, None),
+        "triton_atomic_dq": lambda: triton_step("ATOMIC_DQ", True),
     }
+    for kernel, specs in (("forward", args.triton_forward), ("keys", args.triton_keys),
+                          ("queries", args.triton_queries)):
+        for spec in filter(None, specs.split(",")):
+            blocking = tuple(int(x) for x in spec.split(":"))
+            variants[f"triton_{kernel}_{spec}"] = functools.partial(triton_step, kernel.upper(), blocking)
+    if args.variants:
+        chosen = args.variants.split(",")
+        variants = {name: make for name, make in variants.items() if name in chosen or
+                    (name.startswith("triton_") and "triton" in chosen)}
     reference = None
+    reference_grads = None
     original = getattr(varlen_mod, "_should_use_cudnn", None)
     for name, make in variants.items():
         if name == "varlen_cudnn" and original is not None:
@@ -194,11 +233,24 @@ def main() -> None:
                      "fwd_bwd_tflops": round(3.5 * fwd_flop / fb_ms / 1e9, 1)}
             if out.shape == reference.shape:
                 entry["max_abs_diff_vs_varlen_fa2"] = float((out - reference).abs().max())
+            if name == "varlen_fa2":
+                reference_grads = grads_of(step)
+                again = grads_of(step)
+                entry["grad_max_abs_diff_run_to_run"] = [float((a - b).abs().max()) for a, b in
+                                                         zip(again, reference_grads)]
+            elif name.startswith("triton") and reference_grads is not None:
+                entry["grad_max_abs_diff_vs_varlen_fa2"] = [float((a - b).abs().max()) for a, b in
+                                                            zip(grads_of(step), reference_grads)]
+                entry["grad_scale"] = [float(g.abs().max()) for g in reference_grads]
+            if name.startswith("triton"):
+                entry["blocking"] = {key: getattr(flash_kernel, key) for key in defaults}
         except Exception as exc:  # a backend torch lacks here is a result too
             entry = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         finally:
             if original is not None:
                 varlen_mod._should_use_cudnn = original
+            for key, value in defaults.items():
+                setattr(flash_kernel, key, value)
         report["variants"][name] = entry
         print(name, entry, flush=True)
         q.grad = k.grad = v.grad = None

@@ -113,3 +113,16 @@ def test_sliding_window_models_and_ray_placements_are_refused():
         use_packed_attention(AutoModelForCausalLM.from_config(config))
     with pytest.raises(ConfigError, match="packing"):
         load_config(None, ["trainer.packing=true", "trainer.placement=split"])
+
+
+def test_the_packed_attention_kernel_is_chosen_and_checked(models, rows):
+    """`trainer.packed_attention` names the CUDA kernel; off CUDA both names run the same SDPA path."""
+    triton = copy.deepcopy(models[0])
+    use_packed_attention(triton, "triton")
+    assert triton.config._attn_implementation.endswith("_triton")
+    packed = pack(rows.attention_mask.sum(1), CPU)
+    a = forward_logprobs(models[1], rows.input_ids, rows.attention_mask, rows.position_ids, packed=packed)[0]
+    b = forward_logprobs(triton, rows.input_ids, rows.attention_mask, rows.position_ids, packed=packed)[0]
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not one of flash, triton"):
+        use_packed_attention(copy.deepcopy(models[0]), "fa3")

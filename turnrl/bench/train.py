@@ -193,7 +193,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                             cfg.model.gradient_checkpointing)
         if settings.packing:
-            use_packed_attention(model)
+            use_packed_attention(model, cfg.trainer.packed_attention)
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
             compile_layers(model)
     setup_s = time.perf_counter() - t0

@@ -122,6 +122,8 @@ class TrainerConfig:
     #                                      (auto = on; off: the model's own logits path)
     compile: bool = False                # torch.compile each decoder layer (GPU)
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
+    packed_attention: Literal["flash", "triton"] = "flash"  # packed rows' attention on GPUs: torch's varlen
+    #                                      FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py)
     shared_prefix: bool = True           # a group's shared prompt runs once per micro-batch (not with packing or
     #                                      gradient checkpointing; exact: turnrl/train/shared_prefix.py)
     retain_host_memory: bool = True      # CPU training: malloc keeps freed memory (no page faults per micro-batch)
@@ -163,6 +165,9 @@ class TrainerConfig:
             raise ConfigError("'carry_over' lets groups run on while the trainer updates: set 'async_rollout: true' "
                               "(placement split) or 'carry_over: 0'.")
         positive("max_masked_steps", self.max_masked_steps, allow_zero=True)
+        if self.packed_attention != "flash" and not self.packing:
+            raise ConfigError(f"'packed_attention: {self.packed_attention}' applies to packed micro-batches only: "
+                              "set 'packing: true' or remove 'packed_attention'.")
         if self.packing and self.placement != "local":
             raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "
                               f"{self.placement}.")

@@ -11,8 +11,10 @@ multiple of `PAD_TO`; the tail is one more segment of padding tokens, so every p
 so losses, masks and metrics see the same tensors as without packing. The same idea as verl's
 `use_remove_padding` and HF's flash-attention path for packed position ids. torch 2.11's `varlen_attn` has
 no `enable_gqa`; its flash kernel takes fewer key/value heads than query heads as they are (checked against
-SDPA by `benchmarks/gpu_packing_check.py`). On one H200 (`turnrl bench train`, Qwen2.5-0.5B shape, 64 rows
-of 512-1024 tokens in one 64k-token micro-batch) an update ran at 57.0% MFU (6N) packed, 49.8% padded.
+SDPA by `benchmarks/gpu_packing_check.py`). `trainer.packed_attention: triton` runs turnrl's own kernels instead
+(`turnrl.train.flash_kernel`: the same algorithm in Triton, for Hopper's MMA, deterministic backward). On one
+H200 (`turnrl bench train`, Qwen2.5-0.5B shape, 64 rows of 512-1024 tokens in one 64k-token micro-batch) an
+update ran at 57.0% MFU (6N) packed, 49.8% padded.
 
 Deviations: each row's first position reads the end of the previous row in the packed forward, so its
 logprob is set to 0 there, as the padded path does for column 0; a model whose layers include sliding-window
@@ -22,15 +24,18 @@ every forward must be packed (HF's mask creation is skipped for an attention it 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from turnrl.train import flash_kernel
 from turnrl.train.batching import to_device
 
-ATTENTION = "turnrl_packed"   # the name under transformers' AttentionInterface
+ATTENTION = "turnrl_packed"   # the name under transformers' AttentionInterface (+ "_triton" for those kernels)
+KERNELS = ("flash", "triton")  # trainer.packed_attention
 PAD_TO = 128                  # packed length granularity: GEMM-friendly, few distinct shapes
 
 
@@ -86,33 +91,43 @@ def packed_tokens(lengths: torch.Tensor) -> int:
     return -(-max(int(lengths.sum()), 1) // PAD_TO) * PAD_TO
 
 
-def use_packed_attention(model: Any) -> None:
-    """Switch `model` (plain or peft) to `packed_attention`; its forwards must then pass `Packed.attention_kwargs`."""
+def use_packed_attention(model: Any, kernel: str = "flash") -> None:
+    """Switch `model` (plain or peft) to `packed_attention` with `kernel` on CUDA ("flash": torch's varlen FA2,
+    "triton": `flash_kernel`); its forwards must then pass `Packed.attention_kwargs`."""
     from transformers import AttentionInterface
 
+    if kernel not in KERNELS:
+        raise ValueError(f"trainer.packed_attention: {kernel!r} is not one of {', '.join(KERNELS)}")
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     if "sliding_attention" in (getattr(base.config, "layer_types", None) or []):
         raise ValueError("trainer.packing: sliding-window attention layers are not supported; set "
                          "trainer.packing=false")
+    name = ATTENTION if kernel == "flash" else f"{ATTENTION}_{kernel}"
     if torch.cuda.is_available():
         _varlen_params()   # read here, not while torch.compile traces the attention
-    AttentionInterface.register(ATTENTION, packed_attention)
-    base.set_attn_implementation(ATTENTION)
-    if base.config._attn_implementation != ATTENTION:
+        if kernel == "triton" and not flash_kernel.available(torch.device("cuda")):
+            raise ValueError("trainer.packed_attention: triton needs Triton (CUDA builds of torch ship it); set "
+                             "trainer.packed_attention: flash")
+    AttentionInterface.register(name, functools.partial(packed_attention, kernel=kernel))
+    base.set_attn_implementation(name)
+    if base.config._attn_implementation != name:
         raise ValueError(f"trainer.packing: {type(base).__name__} cannot switch its attention implementation; "
                          "set trainer.packing=false")
 
 
 def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+                     kernel: str = "flash", **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF attention function: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> ([1, N, Hq, D], None),
-    causal within each segment of `cu_seq_lens_q`."""
+    causal within each segment of `cu_seq_lens_q` (on CUDA through `kernel`, see `use_packed_attention`)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         raise ValueError("a model under packed attention (trainer.packing) was called without a packed row")
     if query.is_cuda and value.dtype in (torch.float16, torch.bfloat16):
         q, k, v = (x[0].transpose(0, 1).to(value.dtype).contiguous() for x in (query, key, value))
+        if kernel == "triton":
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            return flash_kernel.packed_attention(q, k, v, cu, int(kwargs["max_length_q"]), scale).unsqueeze(0), None
         out = _varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
         return out.unsqueeze(0), None
     n = query.shape[2]

@@ -109,7 +109,7 @@ class Trainer:
         self.policy = load_policy(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.dropout,
                                   lora.target_modules, cfg.model.gradient_checkpointing)
         if self.settings.packing:   # before the reference copy, which then packs too
-            use_packed_attention(self.policy)
+            use_packed_attention(self.policy, cfg.trainer.packed_attention)
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
         if cfg.trainer.compile:
             compile_layers(self.policy)

@@ -1,0 +1,96 @@
+"""Builds the packed trainer's Triton attention kernels (`turnrl/train/flash_triton.py`) for a GPU offline, on any
+machine with Triton (its NVIDIA backend ships ptxas and cuobjdump), and reports each blocking's registers per
+thread, spilled bytes (stack) and shared memory. No GPU needed: it compiles, it runs nothing. A blocking that
+spills is slow whatever the sweep on a GPU says about its neighbours; this picks what the GPU sweep
+(`benchmarks/attention_backends_probe.py --triton-*`) then times.
+
+    PYTHONPATH=. python benchmarks/flash_kernel_build_probe.py --json OUT.json \
+        --forward 128:64:8:3,128:64:4:3 --keys 64:64:8:3 --queries 64:64:8:3 [--arch 90]
+
+Blockings: program block:step block:warps:stages (as `flash_kernel.FORWARD`, `KEYS`, `QUERIES`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+BF16, F32, I32 = "*bf16", "*fp32", "*i32"
+COMMON = {"H": "constexpr", "KV": "constexpr", "D": "constexpr", "WIDEN": "constexpr"}
+SIGNATURES = {
+    "forward": {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "o_ptr": BF16, "lse_ptr": F32, "cu_ptr": I32,
+                "N": "i32", "n_blocks": "i32", "scale2": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+    "keys": {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "do_ptr": BF16, "lse_ptr": F32, "delta_ptr": F32,
+             "dk_ptr": BF16, "dv_ptr": BF16, "dq_ptr": F32, "cu_ptr": I32, "N": "i32", "scale": "fp32",
+             "scale2": "fp32", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "ATOMIC_DQ": "constexpr"},
+    "queries": {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "do_ptr": BF16, "lse_ptr": F32, "delta_ptr": F32,
+                "dq_ptr": BF16, "cu_ptr": I32, "N": "i32", "n_blocks": "i32", "scale": "fp32", "scale2": "fp32",
+                "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+}
+
+
+def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int, dim: int, arch: int,
+          atomic: bool = False) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from turnrl.train import flash_triton
+
+    outer, inner, warps, stages = blocking
+    signature = {**{k: v for k, v in SIGNATURES[kernel].items() if v != "constexpr"}, **COMMON,
+                 **{k: v for k, v in SIGNATURES[kernel].items() if v == "constexpr"}}
+    constants = {"H": heads, "KV": kv, "D": dim, "WIDEN": False}
+    if kernel == "keys":
+        constants.update(BLOCK_N=outer, BLOCK_M=inner, ATOMIC_DQ=atomic)
+    else:
+        constants.update(BLOCK_M=outer, BLOCK_N=inner)
+    source = ASTSource(fn=getattr(flash_triton, kernel), signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(compiled.asm["cubin"])
+        fh.flush()
+        usage = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split()
+                  if ":" in item and item.split(":")[1].isdigit())
+    return {"registers": int(fields["REG"]), "spilled_bytes": int(fields["STACK"]),
+            "shared_bytes": int(compiled.metadata.shared),
+            "warpgroup_mma": compiled.asm["ptx"].count("wgmma.mma_async")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--forward", default="128:64:8:3,128:64:4:3,128:128:8:3")
+    ap.add_argument("--keys", default="64:64:8:3,64:64:4:3,64:32:4:3")
+    ap.add_argument("--queries", default="64:64:8:3,64:64:4:3,128:32:8:3")
+    ap.add_argument("--heads", type=int, default=14)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import triton
+    report = {"benchmark": "flash_kernel_build_probe", "triton": triton.__version__, "arch": args.arch,
+              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "builds": []}
+    for kernel in ("forward", "keys", "queries"):
+        for spec in filter(None, getattr(args, kernel).split(",")):
+            blocking = tuple(int(x) for x in spec.split(":"))
+            try:
+                entry = build(kernel, blocking, args.heads, args.kv_heads, args.head_dim, args.arch)
+            except Exception as exc:  # a blocking that does not build is a result too
+                entry = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            entry = {"kernel": kernel, "blocking": spec, **entry}
+            report["builds"].append(entry)
+            print(json.dumps(entry), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Causal attention over packed rows, forward and backward, as Triton kernels (`trainer.packed_attention: triton`).
+
+The packed trainer (`turnrl.train.packing`) lays a micro-batch's rows end to end and needs attention kept
+causal inside each row (segment of `cu_seqlens`). torch's varlen kernel is FlashAttention 2, written for
+Ampere's mma instructions; on Hopper, where Triton's dots lower to the warpgroup MMA, these kernels are the
+same algorithm (Dao 2023) in Triton:
+
+- forward: one program per (query block, query head, segment), an online softmax (base 2) over the key
+  blocks before the block's diagonal without a mask, then the diagonal blocks under the causal mask; it
+  writes the output and each query's log-sum-exp (base 2, float32). Query blocks run longest first, so the
+  short programs fill the tail of the grid;
+- backward: `delta = rowsum(dO * O)`; then one program per (key block, key/value head, segment) walks every
+  query head of its group and every query block at or after its keys, recomputing P from the saved
+  log-sum-exp, and sums dV and dK in registers; and one program per (query block, query head, segment)
+  sums dQ over its key blocks. No atomics: the gradients are deterministic (FlashAttention 2's backward adds
+  dQ with float32 atomics), at the price of computing QK^T and dO V^T twice. `ATOMIC_DQ = True` is FA2's way
+  (the key program adds its share of dQ into a float32 buffer, no dQ kernel), for comparison.
+
+Grouped-query attention is native (a query head h reads key/value head h // group). Inputs [N, H, D]
+(contiguous), D a power of two between 16 and 256, cu_seqlens int32 [S + 1]. The blocking is read from this
+module at call time (`benchmarks/attention_backends_probe.py --triton-blocking` sweeps it). On CPUs the
+kernels run only under Triton's interpreter (tests), with their dots widened to float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+LOG2E = 1.4426950408889634
+
+# (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second
+# (sm90 builds of these, compiled offline for head size 64, spill no registers; 4 warps at 128 x 64 do)
+FORWARD = (128, 64, 8, 3)     # queries x keys a step
+KEYS = (64, 64, 8, 3)         # backward dK/dV: keys a program x queries a step
+QUERIES = (64, 64, 8, 3)      # backward dQ: queries a program x keys a step
+ATOMIC_DQ = False             # True: the dK/dV kernel adds dQ with float32 atomics, no dQ kernel (FA2's way)
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any, Any, Any]:
+    from turnrl.train import flash_triton as k
+    return k.forward, k.delta, k.keys, k.queries
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> None:
+    """ValueError unless q [N, H, D], k and v [N, KV, D] (contiguous, one dtype, H a multiple of KV, D a power
+    of two in [16, 256]) and cu int32 [S + 1]."""
+    n, heads, dim = q.shape
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != dim or heads % k.shape[1]:
+        raise ValueError(f"packed attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be "
+                         "[N, H, D], [N, KV, D], [N, KV, D] with H a multiple of KV")
+    if dim < 16 or dim > 256 or dim & (dim - 1):
+        raise ValueError(f"packed attention (triton): head size {dim} is not a power of two in [16, 256]; set "
+                         "trainer.packed_attention: flash")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()) or not q.dtype == k.dtype == v.dtype:
+        raise ValueError("packed attention (triton): q, k, v must be contiguous and of one dtype")
+    if cu.dtype != torch.int32 or cu.dim() != 1:
+        raise ValueError("packed attention (triton): cu_seqlens must be a 1-d int32 tensor")
+
+
+def _blocks(length: int, block: int) -> int:
+    return max(1, -(-length // block))
+
+
+def _blocking(name: str, blocking: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """A kernel's blocking, checked: the diagonal walk needs the program's block a multiple of the step's."""
+    outer, inner, _, _ = blocking
+    if outer % inner or outer & (outer - 1) or inner & (inner - 1) or inner < 16:
+        raise ValueError(f"flash_kernel.{name} = {blocking}: its first block must be a power-of-two multiple of "
+                         "its second (a power of two >= 16)")
+    return blocking
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_length: int,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [N, H, D], lse [H, N] float32, base 2) for causal attention inside each segment of cu."""
+    check_inputs(q, k, v, cu)
+    n, heads, dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, n), dtype=torch.float32, device=q.device)
+    segments = cu.shape[0] - 1
+    block_m, block_n, warps, stages = _blocking("FORWARD", FORWARD)
+    if n and segments:
+        n_blocks = _blocks(max_length, block_m)
+        _kernels()[0][(n_blocks, heads, segments)](
+            q, k, v, out, lse, cu, n, n_blocks, scale * LOG2E, H=heads, KV=k.shape[1], D=dim, BLOCK_M=block_m,
+            BLOCK_N=block_n, WIDEN=not q.is_cuda, num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, cu: torch.Tensor, max_length: int,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `forward`'s output for the gradient do."""
+    n, heads, dim = q.shape
+    kv = k.shape[1]
+    do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    segments = cu.shape[0] - 1
+    if not (n and segments):
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    forward_k, delta_k, keys_k, queries_k = _kernels()
+    dl = torch.empty((heads, n), dtype=torch.float32, device=q.device)
+    rows = 64
+    delta_k[(-(-n * heads // rows),)](out, do, dl, n, H=heads, D=dim, BLOCK=rows, num_warps=4)
+    widen, atomic = not q.is_cuda, ATOMIC_DQ
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
+    block_n, block_m, warps, stages = _blocking("KEYS", KEYS)
+    keys_k[(_blocks(max_length, block_n), kv, segments)](
+        q, k, v, do, lse, dl, dk, dv, dq32, cu, n, scale, scale * LOG2E, H=heads, KV=kv, D=dim, BLOCK_N=block_n,
+        BLOCK_M=block_m, WIDEN=widen, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
+    if atomic:
+        return dq.copy_(dq32), dk, dv
+    block_m, block_n, warps, stages = _blocking("QUERIES", QUERIES)
+    n_blocks = _blocks(max_length, block_m)
+    queries_k[(n_blocks, heads, segments)](
+        q, k, v, do, lse, dl, dq, cu, n, n_blocks, scale, scale * LOG2E, H=heads, KV=kv, D=dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, WIDEN=widen, num_warps=warps, num_stages=stages)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("turnrl::packed_attention_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_length: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(q, k, v, cu, max_length, scale)
+
+
+@_forward_op.register_fake
+def _(q, k, v, cu, max_length, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("turnrl::packed_attention_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, cu: torch.Tensor, max_length: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(do, q, k, v, out, lse, cu, max_length, scale)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, out, lse, cu, max_length, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu, max_length, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu)
+    ctx.max_length, ctx.scale = max_length, scale
+
+
+def _grad(ctx: Any, do: torch.Tensor, _lse_grad: torch.Tensor | None) -> tuple:
+    q, k, v, out, lse, cu = ctx.saved_tensors
+    dq, dk, dv = _backward_op(do, q, k, v, out, lse, cu, ctx.max_length, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_forward_op.register_autograd(_grad, setup_context=_setup)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_length: int,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of q [N, H, D] over k, v [N, KV, D] inside each segment of cu (int32 [S + 1]), max_length
+    the longest segment: [N, H, D], differentiable in q, k, v."""
+    return _forward_op(q, k, v, cu, max_length, scale)[0]
+
+
+def available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        _kernels()
+    except Exception:  # noqa: BLE001 - no Triton
+        return False
+    return True
