@@ -48,7 +48,11 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
         constants.update(BLOCK_N=outer, BLOCK_M=inner, ATOMIC_DQ=atomic)
     else:
         constants.update(BLOCK_M=outer, BLOCK_N=inner)
-    source = ASTSource(fn=getattr(flash_triton, kernel), signature=signature, constexprs=constants)
+    fn = getattr(flash_triton, kernel)
+    # as the launcher specializes them at run time: torch's allocations are 16-byte aligned
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+               if kind.startswith("*")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -58,9 +62,12 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
         usage = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True, check=True).stdout
     fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split()
                   if ":" in item and item.split(":")[1].isdigit())
+    ptx = compiled.asm["ptx"]
     return {"registers": int(fields["REG"]), "spilled_bytes": int(fields["STACK"]),
-            "shared_bytes": int(compiled.metadata.shared),
-            "warpgroup_mma": compiled.asm["ptx"].count("wgmma.mma_async")}
+            "shared_bytes": int(compiled.metadata.shared), "warpgroup_mma": ptx.count("wgmma.mma_async"),
+            "async_copies": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+            "global_loads": {kind: ptx.count(kind) for kind in ("ld.global.v4", "ld.global.v2", "ld.global.b16")
+                             if kind in ptx}}
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ from turnrl.bench.profile import format_breakdown, profile_call
 from turnrl.config import Config, to_dict
 from turnrl.engines.hf import resolve_device
 from turnrl.models import resolve
+from turnrl.train import flash_kernel
 from turnrl.train.batching import Rows, micro_batches
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import packed_tokens, use_packed_attention
@@ -252,7 +253,9 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
                        "group": cfg.rollout.n, "steps": steps, "repeats": repeats, "warmup": warmup,
                        "device": str(device), "autocast": str(amp).removeprefix("torch.") if amp else "float32",
                        "gradient_checkpointing": cfg.model.gradient_checkpointing, "seed": seed,
-                       "algo": to_dict(cfg.algo), "trainer": to_dict(cfg.trainer)},
+                       "algo": to_dict(cfg.algo), "trainer": to_dict(cfg.trainer),
+                       **({"triton_attention": flash_kernel.blocking()}
+                          if settings.packing and cfg.trainer.packed_attention == "triton" else {})},
             "machine": machine_info()}
 
 

@@ -32,7 +32,8 @@ import torch
 LOG2E = 1.4426950408889634
 
 # (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second
-# (sm90 builds of these, compiled offline for head size 64, spill no registers; 4 warps at 128 x 64 do)
+# (sm90 builds at head size 64, compiled offline by benchmarks/flash_kernel_build_probe.py: none spills; the
+# key program at 64 x 64 with 4 warps does)
 FORWARD = (128, 64, 8, 3)     # queries x keys a step
 KEYS = (64, 64, 8, 3)         # backward dK/dV: keys a program x queries a step
 QUERIES = (64, 64, 8, 3)      # backward dQ: queries a program x keys a step
@@ -59,6 +60,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
         raise ValueError("packed attention (triton): q, k, v must be contiguous and of one dtype")
     if cu.dtype != torch.int32 or cu.dim() != 1:
         raise ValueError("packed attention (triton): cu_seqlens must be a 1-d int32 tensor")
+
+
+def blocking() -> dict[str, Any]:
+    """The blocking the kernels run with now (for reports)."""
+    return {"FORWARD": FORWARD, "KEYS": KEYS, "QUERIES": QUERIES, "ATOMIC_DQ": ATOMIC_DQ}
 
 
 def _blocks(length: int, block: int) -> int:

@@ -10,16 +10,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _forward_block(q, acc, top, total, k_ptr, v_ptr, start, j, rows, d, kv_stride, scale2,
-                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr, L):
+def _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV_STRIDE: tl.constexpr,
+                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
     cols = j + tl.arange(0, BLOCK_N)
-    at = (start + cols).to(tl.int64)[:, None] * kv_stride + d[None, :]
+    at = cols[:, None] * KV_STRIDE + d[None, :]
     if MASKED:
-        k = tl.load(k_ptr + at, mask=cols[:, None] < L, other=0.0)
-        v = tl.load(v_ptr + at, mask=cols[:, None] < L, other=0.0)
+        k = tl.load(k_seg + at, mask=cols[:, None] < L, other=0.0)
+        v = tl.load(v_seg + at, mask=cols[:, None] < L, other=0.0)
     else:
-        k = tl.load(k_ptr + at)
-        v = tl.load(v_ptr + at)
+        k = tl.load(k_seg + at)
+        v = tl.load(v_seg + at)
     if WIDEN:
         k, v = k.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, tl.trans(k)) * scale2
@@ -48,21 +48,24 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, N, n_blocks, scale2, H:
         rows = m0 + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
         live = rows < L
-        q_at = (start + rows).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
-        q = tl.load(q_ptr + q_at, mask=live[:, None], other=0.0)
+        q_at = rows[:, None] * (H * D) + d[None, :]          # within the segment's (token, head h) rows
+        q_seg = q_ptr + start.to(tl.int64) * (H * D) + h * D
+        q = tl.load(q_seg + q_at, mask=live[:, None], other=0.0)
         if WIDEN:
             q = q.to(tl.float32)
         top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         total = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        k_base, v_base = k_ptr + kh * D, v_ptr + kh * D
+        k_seg = k_ptr + start.to(tl.int64) * (KV * D) + kh * D
+        v_seg = v_ptr + start.to(tl.int64) * (KV * D) + kh * D
         for j in range(0, m0, BLOCK_N):                 # keys every query of the block sees
-            acc, top, total = _forward_block(q, acc, top, total, k_base, v_base, start, j, rows, d, KV * D,
-                                             scale2, False, BLOCK_N, WIDEN, L)
+            acc, top, total = _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV * D,
+                                             False, BLOCK_N, WIDEN)
         for j in range(m0, tl.minimum(m0 + BLOCK_M, L), BLOCK_N):   # the diagonal
-            acc, top, total = _forward_block(q, acc, top, total, k_base, v_base, start, j, rows, d, KV * D,
-                                             scale2, True, BLOCK_N, WIDEN, L)
-        tl.store(o_ptr + q_at, (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=live[:, None])
+            acc, top, total = _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV * D,
+                                             True, BLOCK_N, WIDEN)
+        o_seg = o_ptr + start.to(tl.int64) * (H * D) + h * D
+        tl.store(o_seg + q_at, (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=live[:, None])
         tl.store(lse_ptr + h * N + start + rows, top + tl.log2(total), mask=live)
 
 
@@ -79,16 +82,16 @@ def delta(o_ptr, do_ptr, delta_ptr, N, H: tl.constexpr, D: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _keys_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, start, i, cols, d, h, N, L, scale,
-                scale2, H: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+def _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L, scale, scale2,
+                H: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                 WIDEN: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     rows = i + tl.arange(0, BLOCK_M)
     live = rows < L
-    at = (start + rows).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
-    q = tl.load(q_ptr + at, mask=live[:, None], other=0.0)
-    do = tl.load(do_ptr + at, mask=live[:, None], other=0.0)
-    lse = tl.load(lse_ptr + h * N + start + rows, mask=live, other=float("inf"))
-    dl = tl.load(delta_ptr + h * N + start + rows, mask=live, other=0.0)
+    at = rows[:, None] * (H * D) + d[None, :]
+    q = tl.load(q_seg + at, mask=live[:, None], other=0.0)
+    do = tl.load(do_seg + at, mask=live[:, None], other=0.0)
+    lse = tl.load(lse_seg + rows, mask=live, other=float("inf"))
+    dl = tl.load(delta_seg + rows, mask=live, other=0.0)
     if WIDEN:
         q, do = q.to(tl.float32), do.to(tl.float32)
     p = tl.exp2(tl.dot(k, tl.trans(q)) * scale2 - lse[None, :])          # [keys, queries]
@@ -98,7 +101,7 @@ def _keys_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, start, 
     ds = p * (tl.dot(v, tl.trans(do)) - dl[None, :])
     dk += tl.dot(ds.to(q.dtype), q)
     if ATOMIC_DQ:   # this key block's share of dQ, added into a float32 buffer (order varies run to run)
-        tl.atomic_add(dq_ptr + at, tl.dot(tl.trans(ds.to(k.dtype)), k) * scale, mask=live[:, None])
+        tl.atomic_add(dq_seg + at, tl.dot(tl.trans(ds.to(k.dtype)), k) * scale, mask=live[:, None])
     return dk, dv
 
 
@@ -115,9 +118,10 @@ def keys(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr
         cols = n0 + tl.arange(0, BLOCK_N)
         d = tl.arange(0, D)
         live = cols < L
-        kv_at = (start + cols).to(tl.int64)[:, None] * (KV * D) + kh * D + d[None, :]
-        k = tl.load(k_ptr + kv_at, mask=live[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_at, mask=live[:, None], other=0.0)
+        kv_at = cols[:, None] * (KV * D) + d[None, :]
+        kv_off = start.to(tl.int64) * (KV * D) + kh * D
+        k = tl.load(k_ptr + kv_off + kv_at, mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off + kv_at, mask=live[:, None], other=0.0)
         if WIDEN:
             k, v = k.to(tl.float32), v.to(tl.float32)
         dk = tl.zeros((BLOCK_N, D), tl.float32)
@@ -125,27 +129,30 @@ def keys(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr
         diagonal_end = tl.minimum(n0 + BLOCK_N, L)
         for g in range(H // KV):
             h = kh * (H // KV) + g
+            q_off = start.to(tl.int64) * (H * D) + h * D
+            q_seg, do_seg, dq_seg = q_ptr + q_off, do_ptr + q_off, dq_ptr + q_off
+            lse_seg, delta_seg = lse_ptr + h * N + start, delta_ptr + h * N + start
             for i in range(n0, diagonal_end, BLOCK_M):      # queries on the keys' diagonal (BLOCK_M | BLOCK_N)
-                dk, dv = _keys_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, start, i, cols, d,
-                                     h, N, L, scale, scale2, H, D, True, BLOCK_M, WIDEN, ATOMIC_DQ)
+                dk, dv = _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L, scale,
+                                     scale2, H, D, True, BLOCK_M, WIDEN, ATOMIC_DQ)
             for i in range(diagonal_end, L, BLOCK_M):       # queries that see every key of the block
-                dk, dv = _keys_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, start, i, cols, d,
-                                     h, N, L, scale, scale2, H, D, False, BLOCK_M, WIDEN, ATOMIC_DQ)
-        tl.store(dk_ptr + kv_at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=live[:, None])
-        tl.store(dv_ptr + kv_at, dv.to(dv_ptr.dtype.element_ty), mask=live[:, None])
+                dk, dv = _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L, scale,
+                                     scale2, H, D, False, BLOCK_M, WIDEN, ATOMIC_DQ)
+        tl.store(dk_ptr + kv_off + kv_at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(dv_ptr + kv_off + kv_at, dv.to(dv_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
-def _queries_block(q, do, lse, dl, dq, k_ptr, v_ptr, start, j, rows, d, kv_stride, scale2, L,
+def _queries_block(q, do, lse, dl, dq, k_seg, v_seg, j, rows, d, scale2, L, KV_STRIDE: tl.constexpr,
                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
     cols = j + tl.arange(0, BLOCK_N)
-    at = (start + cols).to(tl.int64)[:, None] * kv_stride + d[None, :]
+    at = cols[:, None] * KV_STRIDE + d[None, :]
     if MASKED:
-        k = tl.load(k_ptr + at, mask=cols[:, None] < L, other=0.0)
-        v = tl.load(v_ptr + at, mask=cols[:, None] < L, other=0.0)
+        k = tl.load(k_seg + at, mask=cols[:, None] < L, other=0.0)
+        v = tl.load(v_seg + at, mask=cols[:, None] < L, other=0.0)
     else:
-        k = tl.load(k_ptr + at)
-        v = tl.load(v_ptr + at)
+        k = tl.load(k_seg + at)
+        v = tl.load(v_seg + at)
     if WIDEN:
         k, v = k.to(tl.float32), v.to(tl.float32)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * scale2 - lse[:, None])
@@ -171,19 +178,21 @@ def queries(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, N, 
         rows = m0 + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
         live = rows < L
-        at = (start + rows).to(tl.int64)[:, None] * (H * D) + h * D + d[None, :]
-        q = tl.load(q_ptr + at, mask=live[:, None], other=0.0)
-        do = tl.load(do_ptr + at, mask=live[:, None], other=0.0)
+        at = rows[:, None] * (H * D) + d[None, :]
+        q_off = start.to(tl.int64) * (H * D) + h * D
+        q = tl.load(q_ptr + q_off + at, mask=live[:, None], other=0.0)
+        do = tl.load(do_ptr + q_off + at, mask=live[:, None], other=0.0)
         lse = tl.load(lse_ptr + h * N + start + rows, mask=live, other=float("inf"))
         dl = tl.load(delta_ptr + h * N + start + rows, mask=live, other=0.0)
         if WIDEN:
             q, do = q.to(tl.float32), do.to(tl.float32)
         dq = tl.zeros((BLOCK_M, D), tl.float32)
-        k_base, v_base = k_ptr + kh * D, v_ptr + kh * D
+        k_seg = k_ptr + start.to(tl.int64) * (KV * D) + kh * D
+        v_seg = v_ptr + start.to(tl.int64) * (KV * D) + kh * D
         for j in range(0, m0, BLOCK_N):
-            dq = _queries_block(q, do, lse, dl, dq, k_base, v_base, start, j, rows, d, KV * D, scale2, L,
-                                False, BLOCK_N, WIDEN)
+            dq = _queries_block(q, do, lse, dl, dq, k_seg, v_seg, j, rows, d, scale2, L, KV * D, False, BLOCK_N,
+                                WIDEN)
         for j in range(m0, tl.minimum(m0 + BLOCK_M, L), BLOCK_N):
-            dq = _queries_block(q, do, lse, dl, dq, k_base, v_base, start, j, rows, d, KV * D, scale2, L,
-                                True, BLOCK_N, WIDEN)
-        tl.store(dq_ptr + at, (dq * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+            dq = _queries_block(q, do, lse, dl, dq, k_seg, v_seg, j, rows, d, scale2, L, KV * D, True, BLOCK_N,
+                                WIDEN)
+        tl.store(dq_ptr + q_off + at, (dq * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
