@@ -4,7 +4,7 @@
 # command) with trainer.packed_attention flash and triton, interleaved REPEATS times.
 #   bash benchmarks/attention_gpu.sh        (results in $OUT, default runs/attention_gpu)
 # With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
-# PARTS (default: gpu_tests probe train), REPEATS (2), PROFILE=1 (bench train --profile on the last pair),
+# PARTS (default: gpu_tests probe train), ARMS (default: flash triton best), REPEATS (2), PROFILE=1 (bench train --profile on the last pair),
 # FORWARD / KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ONLY_ON (e.g. H200).
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TURNRL_HOME=$PWD/.devcache HF_HUB_OFFLINE=1
@@ -25,7 +25,7 @@ TRAIN="--model qwen2.5-0.5b-shape --batch 64 --seq-len 1024 --lora-rank 0 --peak
 trainer.micro_batch_tokens=65536 trainer.packing=true"
 REPEATS=${REPEATS:-2}
 for i in $(seq 1 "$REPEATS"); do
-    for kernel in flash triton best; do
+    for kernel in ${ARMS:-flash triton best}; do
         extra=""; [[ -n "${PROFILE:-}" && $i == "$REPEATS" ]] && extra="--profile"
         if [[ $kernel == best ]]; then
             [[ -f "$OUT/probe.json" ]] || continue
