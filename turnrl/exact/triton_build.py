@@ -31,3 +31,14 @@ def kernel_builder(build: Any) -> Any:
             return None
         return build(triton, tl)
     return built
+
+
+def usable_on(device: Any, kernels: Any) -> bool:
+    """Whether `kernels()` (a cached builder of compiled Triton kernels) builds for `device`: CUDA only."""
+    if device.type != "cuda":
+        return False
+    try:
+        kernels()
+    except Exception:  # noqa: BLE001 - no Triton
+        return False
+    return True

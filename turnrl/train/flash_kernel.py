@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from turnrl.exact.triton_build import usable_on
+
 LOG2E = 1.4426950408889634
 
 # (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second
@@ -174,10 +176,4 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
 
 
 def available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        _kernels()
-    except Exception:  # noqa: BLE001 - no Triton
-        return False
-    return True
+    return usable_on(device, _kernels)

@@ -10,8 +10,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV_STRIDE: tl.constexpr,
-                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
+def _query_program(cu_ptr, n_blocks, BLOCK_M: tl.constexpr):
+    """A query program's (head, segment start, segment length, first query): the longest blocks first, so the
+    short programs fill the tail of the grid."""
+    seg = tl.program_id(2)
+    start = tl.load(cu_ptr + seg)
+    return tl.program_id(1), start, tl.load(cu_ptr + seg + 1) - start, (n_blocks - 1 - tl.program_id(0)) * BLOCK_M
+
+
+@triton.jit
+def _key_block(k_seg, v_seg, j, d, L, KV_STRIDE: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+               WIDEN: tl.constexpr):
+    """Keys and values [j, j + BLOCK_N) of a segment (zeros past its length L where MASKED), their positions."""
     cols = j + tl.arange(0, BLOCK_N)
     at = cols[:, None] * KV_STRIDE + d[None, :]
     if MASKED:
@@ -22,6 +32,13 @@ def _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV_S
         v = tl.load(v_seg + at)
     if WIDEN:
         k, v = k.to(tl.float32), v.to(tl.float32)
+    return cols, k, v
+
+
+@triton.jit
+def _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV_STRIDE: tl.constexpr,
+                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
+    cols, k, v = _key_block(k_seg, v_seg, j, d, L, KV_STRIDE, MASKED, BLOCK_N, WIDEN)
     s = tl.dot(q, tl.trans(k)) * scale2
     if MASKED:
         s = tl.where(cols[None, :] <= rows[:, None], s, float("-inf"))
@@ -37,12 +54,7 @@ def _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV_S
 def forward(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, N, n_blocks, scale2, H: tl.constexpr,
             KV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             WIDEN: tl.constexpr):
-    block = n_blocks - 1 - tl.program_id(0)            # the longest query blocks first
-    h = tl.program_id(1)
-    seg = tl.program_id(2)
-    start = tl.load(cu_ptr + seg)
-    L = tl.load(cu_ptr + seg + 1) - start
-    m0 = block * BLOCK_M
+    h, start, L, m0 = _query_program(cu_ptr, n_blocks, BLOCK_M)
     if m0 < L:
         kh = h // (H // KV)
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -145,16 +157,7 @@ def keys(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr
 @triton.jit
 def _queries_block(q, do, lse, dl, dq, k_seg, v_seg, j, rows, d, scale2, L, KV_STRIDE: tl.constexpr,
                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, WIDEN: tl.constexpr):
-    cols = j + tl.arange(0, BLOCK_N)
-    at = cols[:, None] * KV_STRIDE + d[None, :]
-    if MASKED:
-        k = tl.load(k_seg + at, mask=cols[:, None] < L, other=0.0)
-        v = tl.load(v_seg + at, mask=cols[:, None] < L, other=0.0)
-    else:
-        k = tl.load(k_seg + at)
-        v = tl.load(v_seg + at)
-    if WIDEN:
-        k, v = k.to(tl.float32), v.to(tl.float32)
+    cols, k, v = _key_block(k_seg, v_seg, j, d, L, KV_STRIDE, MASKED, BLOCK_N, WIDEN)
     p = tl.exp2(tl.dot(q, tl.trans(k)) * scale2 - lse[:, None])
     if MASKED:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
@@ -167,12 +170,7 @@ def _queries_block(q, do, lse, dl, dq, k_seg, v_seg, j, rows, d, scale2, L, KV_S
 def queries(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, N, n_blocks, scale, scale2,
             H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             WIDEN: tl.constexpr):
-    block = n_blocks - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    seg = tl.program_id(2)
-    start = tl.load(cu_ptr + seg)
-    L = tl.load(cu_ptr + seg + 1) - start
-    m0 = block * BLOCK_M
+    h, start, L, m0 = _query_program(cu_ptr, n_blocks, BLOCK_M)
     if m0 < L:
         kh = h // (H // KV)
         rows = m0 + tl.arange(0, BLOCK_M)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from turnrl.exact.triton_build import pow2
+from turnrl.exact.triton_build import pow2, usable_on
 
 BLOCK_N = 64        # keys per inner step
 SPLIT_KEYS = 512    # about this many of a bucket's positions per split ...
@@ -159,10 +159,4 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        _kernels()
-    except Exception:  # noqa: BLE001 - no Triton
-        return False
-    return True
+    return usable_on(device, _kernels)
