@@ -110,7 +110,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     segments = cu.shape[0] - 1
     if not (n and segments):
         return dq.zero_(), dk.zero_(), dv.zero_()
-    forward_k, delta_k, keys_k, queries_k = _kernels()
+    _, delta_k, keys_k, queries_k = _kernels()
     dl = torch.empty((heads, n), dtype=torch.float32, device=q.device)
     rows = 64
     delta_k[(-(-n * heads // rows),)](out, do, dl, n, H=heads, D=dim, BLOCK=rows, num_warps=4)
