@@ -18,7 +18,7 @@ run_part gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/t
 tail -1 "$OUT/gpu_tests.log" 2>/dev/null
 run_part probe python3 benchmarks/attention_backends_probe.py --variants varlen_fa2,triton \
     --triton-forward "${FORWARD:-128:128:8:3,128:64:4:3,128:64:8:2,64:64:4:3,64:32:4:3}" \
-    --triton-keys "${KEYS:-64:32:4:3,64:16:4:3,128:32:8:3,128:64:8:3,64:32:4:2}" \
+    --triton-keys "${KEYS:-64:32:8:3,64:32:8:2,64:64:8:3,64:16:4:3,64:32:4:2}" \
     --triton-queries "${QUERIES:-64:64:4:3,64:32:4:3,128:32:8:3,128:64:8:3}" --json "$OUT/probe.json"
 grep -E "^(varlen|triton)" "$OUT/probe.log" 2>/dev/null | cut -c1-220
 TRAIN="--model qwen2.5-0.5b-shape --batch 64 --seq-len 1024 --lora-rank 0 --peak-tflops 790 trainer.compile=true \

@@ -5,7 +5,7 @@ spills is slow whatever the sweep on a GPU says about its neighbours; this picks
 (`benchmarks/attention_backends_probe.py --triton-*`) then times.
 
     PYTHONPATH=. python benchmarks/flash_kernel_build_probe.py --json OUT.json \
-        --forward 128:64:8:3,128:64:4:3 --keys 64:64:8:3 --queries 64:64:8:3 [--arch 90]
+        --forward 128:64:8:3,128:64:4:3 --keys 64:32:8:3 --queries 64:64:8:3 [--arch 90]
 
 Blockings: program block:step block:warps:stages (as `flash_kernel.FORWARD`, `KEYS`, `QUERIES`).
 """
@@ -73,7 +73,7 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--forward", default="128:64:8:3,128:64:4:3,128:128:8:3")
-    ap.add_argument("--keys", default="64:64:8:3,64:64:4:3,64:32:4:3")
+    ap.add_argument("--keys", default="64:32:8:3,64:64:8:3,64:64:4:3,64:32:4:3")
     ap.add_argument("--queries", default="64:64:8:3,64:64:4:3,128:32:8:3")
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)

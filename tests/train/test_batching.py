@@ -2,7 +2,7 @@
 
 import torch
 
-from turnrl.train.batching import micro_batches, mini_batches, to_device
+from turnrl.train.batching import Rows, micro_batches, mini_batches, to_device
 
 
 def test_micro_batches_respect_the_budget_and_cover_every_row():
@@ -64,3 +64,33 @@ def test_batch_rows_gives_each_trajectory_one_group_validity_and_reward():
     assert rows.loss_mask[2].sum() == 0 and rows.engine_logprobs[:, 2].tolist() == [-0.5] * 4
     mb = rows.select(torch.tensor([1, 3]), width=2)   # row metadata follows the rows, [B] tensors uncut
     assert mb.input_ids.shape == (2, 2) and mb.traj_index.tolist() == [1, 3]
+
+
+def _rows(attention: list[list[int]], loss: list[list[float]]) -> Rows:
+    attention_mask, loss_mask = torch.tensor(attention), torch.tensor(loss)
+    zeros = torch.zeros_like(loss_mask)
+    return Rows(attention_mask * 7, attention_mask, torch.cumsum(attention_mask, 1) - 1, loss_mask, zeros, zeros,
+                zeros)
+
+
+def test_host_counts_come_with_the_rows_and_give_the_loss_normalizers():
+    rows = _rows([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], [[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 0.5]])
+    moved = rows.to(torch.device("cpu"))
+    counts = moved.host()
+    assert counts is moved.host()                       # counted once, kept
+    assert counts.attention_mask is moved.attention_mask and counts.loss_mask is moved.loss_mask
+    assert counts.lengths.tolist() == moved.lengths.tolist() == [3, 2, 4]
+    assert counts.lengths.device.type == "cpu" and counts.lengths.dtype == torch.long
+    assert counts.tokens.tolist() == [2.0, 0.0, 1.5]
+    everyone = torch.tensor([0, 1, 2])
+    assert counts.normalizer(everyone, seq_mode=False) == float(moved.loss_mask.sum()) == 3.5
+    assert counts.normalizer(everyone, seq_mode=True) == 2.0   # rows with any policy token
+    assert counts.normalizer(torch.tensor([1]), seq_mode=False) == 0.0
+
+
+def test_host_counts_are_counted_again_when_a_mask_is_set_anew():
+    rows = _rows([[1, 1, 0]], [[0, 1, 0]])
+    assert rows.host().tokens.tolist() == [1.0]
+    rows.loss_mask = torch.tensor([[0.0, 1.0, 1.0]])
+    assert rows.host().tokens.tolist() == [2.0]
+    assert rows.select(torch.tensor([0])).host().tokens.tolist() == [2.0]   # a slice counts its own

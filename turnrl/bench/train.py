@@ -146,7 +146,7 @@ def synthetic_rows(batch: int, seq_len: int, vocab: int, device: torch.device, s
     rewards = torch.rand(batch, generator=g).round()
     advantages = broadcast(grpo(rewards, torch.arange(batch) // group), loss_mask)
     rows = Rows(input_ids, attention, positions, loss_mask, engine.clone(), engine, advantages)
-    return Rows(**{k: v.to(device) for k, v in vars(rows).items() if v is not None})
+    return rows.to(device)   # as the trainer moves its rows: host counts kept, no sync in the update
 
 
 def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int], packing: bool = False,

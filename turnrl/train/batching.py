@@ -46,12 +46,41 @@ class Rows:
         return Rows(**out)
 
     def to(self, device: torch.device) -> "Rows":
-        return Rows(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                       for f in fields(self)})
+        moved = Rows(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                        for f in fields(self)})
+        if self.attention_mask.device.type == "cpu":   # counted here, free: the update never reads them back
+            counts = self.host()
+            moved._host = HostCounts(counts.lengths, counts.tokens, moved.attention_mask, moved.loss_mask)
+        return moved
 
     @property
     def lengths(self) -> torch.Tensor:  # [B]
         return self.attention_mask.sum(dim=1)
+
+    def host(self) -> "HostCounts":
+        """Each row's length and loss-mask sum on the host, kept: counted on the CPU when `to` moved the rows,
+        else read from the device once (one sync). Kept while `attention_mask` and `loss_mask` are the same
+        tensors (a field set anew is counted again; the rows are never edited in place)."""
+        kept = self.__dict__.get("_host")
+        if kept is None or kept.attention_mask is not self.attention_mask or kept.loss_mask is not self.loss_mask:
+            both = torch.stack([self.attention_mask.sum(1).double(), self.loss_mask.double().sum(1)]).cpu()
+            kept = self._host = HostCounts(both[0].long(), both[1], self.attention_mask, self.loss_mask)
+        return kept
+
+
+@dataclass(frozen=True)
+class HostCounts:
+    """`Rows.host()`: per-row counts on the CPU, so batching and loss normalizers need no device sync."""
+    lengths: torch.Tensor          # [B] long, real tokens
+    tokens: torch.Tensor           # [B] float64, the loss mask's sum (trained policy tokens)
+    attention_mask: torch.Tensor   # the tensors they were counted from
+    loss_mask: torch.Tensor
+
+    def normalizer(self, index: torch.Tensor, seq_mode: bool) -> float:
+        """The loss normalizer of the rows `index` (CPU): their policy tokens, or with `seq_mode` the number
+        of rows that have any."""
+        tokens = self.tokens[index]
+        return float((tokens > 0).sum()) if seq_mode else float(tokens.sum())
 
 
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -34,10 +34,10 @@ from turnrl.exact.triton_build import usable_on
 LOG2E = 1.4426950408889634
 
 # (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second
-# (sm90 builds at head size 64, compiled offline by benchmarks/flash_kernel_build_probe.py: none spills; the
-# key program at 64 x 64 with 4 warps does)
+# (sm90 builds at head size 64, compiled offline by benchmarks/flash_kernel_build_probe.py with Triton 3.6, the GPU
+# machine's, and 3.9: none spills under either; the key program at 64 x 64 spills under 3.6, with 8 warps or 4)
 FORWARD = (128, 64, 8, 3)     # queries x keys a step
-KEYS = (64, 64, 8, 3)         # backward dK/dV: keys a program x queries a step
+KEYS = (64, 32, 8, 3)         # backward dK/dV: keys a program x queries a step
 QUERIES = (64, 64, 8, 3)      # backward dQ: queries a program x keys a step
 ATOMIC_DQ = False             # True: the dK/dV kernel adds dQ with float32 atomics, no dQ kernel (FA2's way)
 

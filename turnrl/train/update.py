@@ -153,7 +153,7 @@ def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | N
     micro-batched by tokens."""
     out = torch.zeros_like(rows.old_logprobs)
     all_rows = torch.arange(rows.input_ids.shape[0])
-    lengths = rows.lengths.cpu()
+    lengths = rows.host().lengths
     packing = s.packing and not values   # a critic keeps its own (padded) attention
     sharing = Sharing(rows, s, enabled=not values)
     with torch.no_grad():
@@ -182,14 +182,14 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
     n_rows = rows.input_ids.shape[0]
     seq_mode = s.loss_agg != "token-mean"
     sharing = Sharing(rows, s, enabled=critic is None)
+    counts = rows.host()   # no device sync when the rows came to the device through `Rows.to`
+    lengths = counts.lengths
     for _ in range(s.epochs):
         for mini in mini_batches(n_rows, s.mini_batches, generator):
-            mask = rows.loss_mask[mini.to(rows.loss_mask.device)]
-            normalizer = float((mask.sum(1) > 0).sum()) if seq_mode else float(mask.sum())
+            normalizer = counts.normalizer(mini, seq_mode)
             if normalizer == 0:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            lengths = rows.lengths.cpu()
             for index, width in sharing.micro_batches(mini, lengths, s.packing):
                 packed = pack(lengths[index], rows.input_ids.device) if s.packing else None
                 shared = sharing.of(index)
@@ -279,7 +279,12 @@ class Sharing:
 
 def means(stats: Stats) -> dict[str, float]:
     """Each metric's mean over its entries, read from the device once, after the work is queued."""
-    return {k: float(torch.stack([x.float().cpu() for x in v]).mean()) for k, v in stats.items() if v}
+    keys = [k for k, v in stats.items() if v]
+    if not keys:
+        return {}
+    device = stats[keys[0]][0].device
+    values = torch.stack([torch.stack([x.float().reshape(()).to(device) for x in stats[k]]).mean() for k in keys])
+    return dict(zip(keys, values.cpu().tolist()))   # one copy from the device
 
 
 def _share(mask: torch.Tensor, normalizer: float, agg: str) -> torch.Tensor:
