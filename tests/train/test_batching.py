@@ -82,6 +82,7 @@ def test_host_counts_come_with_the_rows_and_give_the_loss_normalizers():
     assert counts.lengths.tolist() == moved.lengths.tolist() == [3, 2, 4]
     assert counts.lengths.device.type == "cpu" and counts.lengths.dtype == torch.long
     assert counts.tokens.tolist() == [2.0, 0.0, 1.5]
+    assert counts.selected.tolist() == [2, 0, 2] and counts.selected_in(torch.tensor([0, 2])) == 4
     everyone = torch.tensor([0, 1, 2])
     assert counts.normalizer(everyone, seq_mode=False) == float(moved.loss_mask.sum()) == 3.5
     assert counts.normalizer(everyone, seq_mode=True) == 2.0   # rows with any policy token

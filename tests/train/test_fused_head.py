@@ -40,6 +40,23 @@ def test_linear_logprobs_matches_log_softmax_with_selection_and_temperature(soft
     assert torch.allclose(gh, wh, atol=1e-4) and torch.allclose(gw, ww, atol=1e-4)
 
 
+def test_a_known_count_of_selected_positions_gives_the_same_bits_and_gradients():
+    torch.manual_seed(1)
+    hidden = torch.randn(3, 9, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (3, 9))
+    select = torch.rand(3, 9) > 0.5
+    g = torch.randn(3, 9)
+    out = []
+    for selected in (None, int(select.sum())):   # boolean index, then positions from the host's count
+        lp, ent = linear_logprobs(hidden, weight, labels, chunk=4, select=select, selected=selected)
+        out.append((lp, ent, torch.autograd.grad((lp * g).sum(), (hidden, weight))))
+    (lp0, ent0, (gh0, gw0)), (lp1, ent1, (gh1, gw1)) = out
+    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1) and torch.equal(gh0, gh1) and torch.equal(gw0, gw1)
+    with pytest.raises(ValueError, match="selected=3 but select has"):
+        linear_logprobs(hidden, weight, labels, select=select, selected=3)
+
+
 @pytest.mark.parametrize("lora", [0, 4])
 def test_forward_logprobs_fused_equals_unfused_on_a_model(lora):
     model = load_policy(str(prepare("tiny-random")), torch.device("cpu"), lora_rank=lora)

@@ -50,7 +50,8 @@ class Rows:
                         for f in fields(self)})
         if self.attention_mask.device.type == "cpu":   # counted here, free: the update never reads them back
             counts = self.host()
-            moved._host = HostCounts(counts.lengths, counts.tokens, moved.attention_mask, moved.loss_mask)
+            moved._host = HostCounts(counts.lengths, counts.tokens, counts.selected, moved.attention_mask,
+                                     moved.loss_mask)
         return moved
 
     @property
@@ -63,8 +64,10 @@ class Rows:
         tensors (a field set anew is counted again; the rows are never edited in place)."""
         kept = self.__dict__.get("_host")
         if kept is None or kept.attention_mask is not self.attention_mask or kept.loss_mask is not self.loss_mask:
-            both = torch.stack([self.attention_mask.sum(1).double(), self.loss_mask.double().sum(1)]).cpu()
-            kept = self._host = HostCounts(both[0].long(), both[1], self.attention_mask, self.loss_mask)
+            both = torch.stack([self.attention_mask.sum(1).double(), self.loss_mask.double().sum(1),
+                                (self.loss_mask[:, 1:] > 0).sum(1).double()]).cpu()
+            kept = self._host = HostCounts(both[0].long(), both[1], both[2].long(), self.attention_mask,
+                                           self.loss_mask)
         return kept
 
 
@@ -73,6 +76,7 @@ class HostCounts:
     """`Rows.host()`: per-row counts on the CPU, so batching and loss normalizers need no device sync."""
     lengths: torch.Tensor          # [B] long, real tokens
     tokens: torch.Tensor           # [B] float64, the loss mask's sum (trained policy tokens)
+    selected: torch.Tensor         # [B] long, policy tokens after column 0 (what the fused head computes)
     attention_mask: torch.Tensor   # the tensors they were counted from
     loss_mask: torch.Tensor
 
@@ -81,6 +85,10 @@ class HostCounts:
         of rows that have any."""
         tokens = self.tokens[index]
         return float((tokens > 0).sum()) if seq_mode else float(tokens.sum())
+
+    def selected_in(self, index: torch.Tensor) -> int:
+        """`forward_logprobs`' `selected` for the rows `index` (CPU)."""
+        return int(self.selected[index].sum())
 
 
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -164,23 +164,39 @@ class _LinearLogprob(torch.autograd.Function):
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                     chunk: int = 4096, compute_dtype: torch.dtype | None = None,
-                    select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    select: torch.Tensor | None = None, selected: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, T, H], weight [V, H], labels [B, T] -> (logprobs [B, T] float32, entropy [B, T]).
 
     Logprobs of `labels` under softmax(hidden @ weight.T / temperature), differentiable in hidden and weight;
     the entropy (a metric) carries no gradient. With `select` [B, T] (bool), only those positions are
-    computed and the others are 0."""
+    computed and the others are 0. `selected`, the number of True in `select` when the caller knows it (from
+    the host's counts), spares the device sync that a boolean index costs (the count is checked on the device,
+    asynchronously)."""
     b, t, h = hidden.shape
     dtype = compute_dtype or hidden.dtype
+    where = None
     if select is None:
         flat_h, flat_labels = hidden.reshape(b * t, h), labels.reshape(b * t)
-    else:
+    elif selected is None:
         flat_h, flat_labels = hidden[select], labels[select]
+    else:
+        flat = select.reshape(-1)
+        if flat.is_cuda:
+            torch._assert_async(flat.sum() == selected, "linear_logprobs: `selected` is not the count of `select`")
+        elif int(flat.sum()) != selected:
+            raise ValueError(f"linear_logprobs: selected={selected} but select has {int(flat.sum())} positions")
+        where = torch.nonzero_static(flat, size=selected).squeeze(1)
+        rows, cols = where // t, where % t
+        flat_h, flat_labels = hidden[rows, cols], labels[rows, cols]
     keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and \
         flat_h.shape[0] * weight.shape[0] * 4 <= KEEP_SOFTMAX_BYTES.get(hidden.device.type, 0)
     lp, ent = _LinearLogprob.apply(flat_h, weight, flat_labels, chunk, float(temperature), dtype, keep)
     if select is None:
         return lp.view(b, t), ent.view(b, t)
+    if where is not None:
+        return lp.new_zeros(b * t).index_copy(0, where, lp).view(b, t), \
+            ent.new_zeros(b * t).index_copy(0, where, ent).view(b, t)
     out_lp = torch.zeros((b, t), dtype=lp.dtype, device=lp.device).masked_scatter(select, lp)
     out_ent = torch.zeros((b, t), dtype=ent.dtype, device=ent.device).masked_scatter(select, ent)
     return out_lp, out_ent

@@ -90,13 +90,15 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
                      position_ids: torch.Tensor, temperature: float = 1.0, amp: torch.dtype | None = None,
                      with_entropy: bool = False, entropy_grad: bool = False, fused_head: bool = False,
                      select: torch.Tensor | None = None, packed: Packed | None = None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, exact: torch.dtype | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, exact: torch.dtype | None = None,
+                     selected: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs [B, T], entropy [B, T] or None), both aligned to token positions (column 0 is 0).
     The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it costs none.
     `fused_head` computes the logprobs chunk by chunk from the hidden states (`turnrl.train.fused_head`)
     instead of materialising the [B, T, V] logits, and then only at the token positions `select` [B, T]
     marks (others are 0): an update needs the policy tokens' logprobs, not the prompt's or the tools'.
+    `selected`, the number of True in `select[:, 1:]` where the host knows it (`Rows.host().selected`), lets
+    the fused head pick those positions without a device sync.
     With `packed` (`turnrl.train.packing`, the model under `use_packed_attention`) the rows run as one packed
     row without padding; the results come back in the [B, T] layout, 0 at padding.
     With `shared` = (group, prefix) from `turnrl.train.shared_prefix.prefix_groups`, each group's shared prefix
@@ -110,7 +112,7 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     if shared is not None and int(shared[1].max()) > 0 and select is not None \
             and causal_mask_or_none(attention_mask) is None and _output_head(model) is not None:
         lp, ent = _logprobs(model, input_ids, attention_mask, position_ids, temperature, amp, with_entropy,
-                            entropy_grad, fused_head, select, {}, shared)
+                            entropy_grad, fused_head, select, {}, shared, selected)
         inside = torch.arange(input_ids.shape[1], device=lp.device)[None] <= shared[1].to(lp.device)[:, None]
         return lp.masked_fill(inside, 0.0), None if ent is None else ent.masked_fill(inside, 0.0)
     if packed is not None:
@@ -120,19 +122,21 @@ def forward_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.
             select[:, 0] = False   # a row's first token would read the previous row: its logprob is 0
         lp, ent = _logprobs(model, packed.gather(input_ids), None, packed.gather(position_ids), temperature, amp,
                             with_entropy, entropy_grad, fused_head,
-                            None if select is None else packed.gather(select), packed.attention_kwargs())
+                            None if select is None else packed.gather(select), packed.attention_kwargs(),
+                            selected=selected)
         return packed.scatter(lp, shape), None if ent is None else packed.scatter(ent, shape)
     mask = causal_mask_or_none(attention_mask)
     if mask is None:
         position_ids = continued_positions(position_ids, attention_mask)
     return _logprobs(model, input_ids, mask, position_ids, temperature, amp, with_entropy, entropy_grad, fused_head,
-                     select, {})
+                     select, {}, selected=selected)
 
 
 def _logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
               temperature: float, amp: torch.dtype | None, with_entropy: bool, entropy_grad: bool, fused_head: bool,
               select: torch.Tensor | None, model_kwargs: dict[str, Any],
-              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None, selected: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device_type = input_ids.device.type
     ctx = torch.autocast(device_type, dtype=amp) if amp is not None else contextlib.nullcontext()
     temperature = 1.0 if temperature == 0.0 else temperature
@@ -148,7 +152,7 @@ def _logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if hidden is not None and fused:
         lp, ent = linear_logprobs(hidden[:, :-1], weight, input_ids[:, 1:], temperature,
                                   compute_dtype=amp or hidden.dtype,
-                                  select=None if select is None else select[:, 1:].bool())
+                                  select=None if select is None else select[:, 1:].bool(), selected=selected)
         ent = ent if with_entropy else None
     else:
         with ctx:

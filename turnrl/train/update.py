@@ -153,13 +153,15 @@ def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | N
     micro-batched by tokens."""
     out = torch.zeros_like(rows.old_logprobs)
     all_rows = torch.arange(rows.input_ids.shape[0])
-    lengths = rows.host().lengths
+    counts = rows.host()
+    lengths = counts.lengths
     packing = s.packing and not values   # a critic keeps its own (padded) attention
     sharing = Sharing(rows, s, enabled=not values)
     with torch.no_grad():
         for index, width in sharing.micro_batches(all_rows, lengths, packing):
             packed = pack(lengths[index], rows.input_ids.device) if packing else None
             shared = sharing.of(index)
+            selected = counts.selected_in(index)
             index = to_device(index, rows.input_ids.device)
             mb = rows.select(index, width)
             if values:
@@ -167,7 +169,7 @@ def logprob_pass(model: Any, rows: Rows, s: UpdateSettings, amp: torch.dtype | N
             else:
                 result, _ = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
                                              s.temperature, amp, fused_head=s.fused_head, select=mb.loss_mask > 0,
-                                             packed=packed, shared=shared, exact=s.exact)
+                                             packed=packed, shared=shared, exact=s.exact, selected=selected)
             out[index.to(out.device), :width] = result.float()
     return out
 
@@ -193,9 +195,10 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
             for index, width in sharing.micro_batches(mini, lengths, s.packing):
                 packed = pack(lengths[index], rows.input_ids.device) if s.packing else None
                 shared = sharing.of(index)
+                selected = counts.selected_in(index)
                 index = to_device(index, rows.input_ids.device)
                 micro_step(model, rows.select(index, width), index, rows, s, amp, normalizer, stats, critic, packed,
-                           shared)
+                           shared, selected)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
             optimizer.step()
             scheduler.step()
@@ -205,15 +208,17 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
 
 def micro_step(model: Any, mb: Rows, index: torch.Tensor, rows: Rows, s: UpdateSettings,
                amp: torch.dtype | None, normalizer: float, stats: Stats, critic: Any = None,
-               packed: Packed | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               packed: Packed | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+               selected: int | None = None) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its loss [] (detached, on the device), its share of
     the mini-batch objective (the shares of all micro-batches, on all ranks, add up to the mini-batch's loss).
     `packed`: the packing of the micro-batch's rows (with `s.packing`); `shared`: its rows' (group, prefix)
-    (with `s.shared_prefix`). Metrics go to `stats` as device tensors (`means` reads them)."""
+    (with `s.shared_prefix`); `selected`: its policy tokens after column 0, from the host's counts (spares the
+    fused head a sync). Metrics go to `stats` as device tensors (`means` reads them)."""
     logprobs, entropy = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.position_ids,
                                          s.temperature, amp, with_entropy=True, entropy_grad=s.entropy_coef > 0,
                                          fused_head=s.fused_head, select=mb.loss_mask > 0, packed=packed,
-                                         shared=shared, exact=s.exact)
+                                         shared=shared, exact=s.exact, selected=selected)
     logprobs = logprobs.float()
     mask = mb.loss_mask
     if s.single_pass:
