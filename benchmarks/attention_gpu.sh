@@ -14,7 +14,7 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$GPU"
 PARTS=${PARTS:-gpu_tests probe train}
 run_part() { local name=$1; shift; [[ " $PARTS " == *" ${PART:-$name} "* ]] || return 0; local start=$(date +%s)
              timeout "${STEP_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "== $name: rc=$? $(( $(date +%s) - start ))s"; }
-run_part gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_flash_kernel.py
+run_part gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_flash_kernel.py tests/bench/test_bench_profile.py
 tail -1 "$OUT/gpu_tests.log" 2>/dev/null
 run_part probe python3 benchmarks/attention_backends_probe.py --variants varlen_fa2,triton \
     --triton-forward "${FORWARD:-128:128:8:3,128:64:4:3,128:64:8:2,64:64:4:3,64:32:4:3}" \
@@ -35,7 +35,8 @@ for i in $(seq 1 "$REPEATS"); do
             PART=train run_part "train_${kernel}_$i" python3 -m turnrl bench train $TRAIN \
                 trainer.packed_attention=$kernel $extra --json "$OUT/train_${kernel}_$i.json"
         fi
-        python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summary']; print(sys.argv[2], 'update_s', \
-s['update_s'], 'mfu_executed', s['update_mfu_executed'])" "$OUT/train_${kernel}_$i.json" "$kernel $i" 2>/dev/null
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); s=r['summary']; print(sys.argv[2], 'update_s', \
+s['update_s'], 'mfu_executed', s['update_mfu_executed'], 'host_syncs', r.get('host_syncs'))" \
+            "$OUT/train_${kernel}_$i.json" "$kernel $i" 2>/dev/null
     done
 done

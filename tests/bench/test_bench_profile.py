@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch.autograd import DeviceType
 
-from turnrl.bench.profile import Kernel, _kernels, breakdown, category, idle_gaps
+from turnrl.bench.profile import Kernel, _kernels, breakdown, category, host_syncs, idle_gaps
 from turnrl.cli import main
 
 
@@ -83,3 +83,19 @@ def test_idle_gaps_are_the_uncovered_time_between_kernels():
     assert out["idle_s"] == pytest.approx(0.0035)
     assert out["gaps"] == [{"ms": pytest.approx(3.0), "before": "b", "after": "c"}]
     assert idle_gaps([])["idle_s"] == 0.0
+
+
+def test_host_syncs_is_empty_off_cuda():
+    assert host_syncs(lambda: torch.ones(2).sum().item(), torch.device("cpu")) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_syncs_names_the_line_that_waits_for_the_device():
+    x = torch.ones(1000, device="cuda")
+
+    def work():
+        y = x * 2                         # queued: no wait
+        return float(y.sum())             # a copy to the host: waits
+    where = host_syncs(work, torch.device("cuda"))
+    assert len(where) == 1 and where[0].startswith("test_bench_profile.py:")

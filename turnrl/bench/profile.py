@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -120,6 +122,21 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> 
     if device.type == "cuda":
         report["idle"] = idle_gaps(_device_spans(prof))
     return report
+
+
+def host_syncs(fn: Callable[[], Any], device: torch.device) -> list[str]:
+    """Where `fn` makes the host wait for the device ('file:line' of each call that synchronizes: a copy to
+    the host, `.item()`, a boolean index), from CUDA's sync debug mode; [] off CUDA, where nothing waits."""
+    if device.type != "cuda":
+        return []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
 
 
 def format_breakdown(report: dict[str, Any], title: str) -> str:

@@ -42,7 +42,7 @@ import torch
 
 from turnrl.algo.advantages import broadcast, grpo
 from turnrl.bench.common import machine_info, spread
-from turnrl.bench.profile import format_breakdown, profile_call
+from turnrl.bench.profile import format_breakdown, host_syncs, profile_call
 from turnrl.config import Config, to_dict
 from turnrl.engines.hf import resolve_device
 from turnrl.models import resolve
@@ -220,6 +220,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     for _ in range(warmup):
         update()
         forward()
+    syncs = {"update": host_syncs(update, device), "logprob_pass": host_syncs(forward, device)}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = []
@@ -245,6 +246,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     return {"benchmark": "train", "summary": summary, "runs": runs, "work_per_update": per_update,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
             "setup_s": setup_s, **({"profile": profiled} if profiled else {}),
+            "host_syncs": syncs,   # where one update / logprob pass waits for the device (CUDA only)
             "flops_note": "6N: N = all base-model parameters (tied embeddings once, LoRA adapters excluded); "
                           "with attention: + 12*L*H*d_head*S per token of a row of length S (PaLM, no causal "
                           "discount); tokens are real (unpadded) tokens; with LoRA the work done is nearer 4N",
