@@ -31,7 +31,7 @@ import torch
 
 from turnrl.config.schema import OptimConfig
 from turnrl.distributed.sync import TensorMeta, WeightPayload, cast_all, ipc_handles, open_group, send_buckets
-from turnrl.train.batching import Rows
+from turnrl.train.batching import Rows, to_device
 from turnrl.train.host_memory import retain_for_training
 from turnrl.train.update import Stats, UpdateSettings, means, micro_step
 
@@ -188,28 +188,32 @@ class TrainRank:
         s = self.spec.settings
         self.policy.train()
         stats: Stats = {}
-        objective, norms, mine = [], [], []
+        totals, full_norms, mine = [], [], []
         clip = s.grad_clip if s.grad_clip > 0 else float("inf")
+        counts = rows.host()
         for normalizer, micro in minis:
             if normalizer == 0:  # same on every rank: all skip together
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            total = 0.0
+            total = torch.zeros((), device=self.device)
             for spec in micro:
                 if spec is None:
                     dummy = self._dummy(rows)
                     micro_step(self.policy, dummy, torch.tensor([0]), dummy, s, self.amp, normalizer / self.world, {})
                     continue
                 index, width = spec
-                mb = rows.select(index.to(self.device), width)
-                total += float(micro_step(self.policy, mb, index, rows, s, self.amp, normalizer / self.world,
-                                          stats))
+                mb = rows.select(to_device(index, self.device), width)
+                total = total + micro_step(self.policy, mb, index, rows, s, self.amp, normalizer / self.world, stats,
+                                           selected=counts.selected_in(index))
                 mine.append(index)
             norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
             self.optimizer.step()
             self.scheduler.step()
-            objective.append(total)
-            norms.append(float(_full(norm)))
+            totals.append(total.float())
+            full_norms.append(_full(norm).float().to(self.device))
+        # read back once, after every step is queued: nothing in the loop waits for the device
+        read = torch.stack([*totals, *full_norms]).cpu().tolist() if totals else []
+        objective, norms = read[:len(totals)], read[len(totals):]
         out: dict[str, Any] = {"stats": means(stats),
                                "counts": {k: len(v) for k, v in stats.items()},
                                "objective": objective, "grad_norm": norms, "lr": self.scheduler.get_last_lr()[0]}
