@@ -157,7 +157,7 @@ class TrainRank:
     # -- passes ---------------------------------------------------------------------------------------------
     def _dummy(self, rows: Rows) -> Rows:
         """A one-row micro-batch with a zero loss mask: the collectives run, the gradients it adds are zero."""
-        width = int(min(8, max(2, int(rows.lengths[0]))))
+        width = int(min(8, max(2, int(rows.host().lengths[0]))))   # host counts: no device wait
         mb = rows.select(torch.tensor([0], device=rows.input_ids.device), width)
         mb.loss_mask = torch.zeros_like(mb.loss_mask)
         mb.advantages = torch.zeros_like(mb.advantages)
