@@ -4,8 +4,10 @@
 # command) with trainer.packed_attention flash and triton, interleaved REPEATS times.
 #   bash benchmarks/attention_gpu.sh        (results in $OUT, default runs/attention_gpu)
 # With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
-# PARTS (default: gpu_tests probe train), ARMS (default: flash triton best), REPEATS (2), PROFILE=1 (bench train --profile on the last pair),
-# FORWARD / KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ONLY_ON (e.g. H200).
+# PARTS (default: gpu_tests probe train), ARMS (default: flash triton best; an arm may name the weights too,
+# kernel:param_dtype, e.g. flash:float32 triton:bfloat16), REPEATS (2), PROFILE=1 (bench train --profile on the
+# last pair), FORWARD / KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ONLY_ON (e.g.
+# H200). The logs end up in $OUT/logs.tgz (the device tool brings back 8 files).
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TURNRL_HOME=$PWD/.devcache HF_HUB_OFFLINE=1
 OUT=${OUT:-runs/attention_gpu}; mkdir -p "$OUT"
@@ -13,30 +15,43 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$GPU"
 [[ -n "${ONLY_ON:-}" && "$GPU" != *"$ONLY_ON"* ]] && { echo "not an $ONLY_ON: nothing run"; exit 0; }
 PARTS=${PARTS:-gpu_tests probe train}
 run_part() { local name=$1; shift; [[ " $PARTS " == *" ${PART:-$name} "* ]] || return 0; local start=$(date +%s)
-             timeout "${STEP_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1; echo "== $name: rc=$? $(( $(date +%s) - start ))s"; }
-run_part gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_flash_kernel.py tests/bench/test_bench_profile.py
+             echo "== $name from $(date '+%H:%M:%S')"
+             timeout "${STEP_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1
+             echo "== $name: rc=$? $(( $(date +%s) - start ))s, to $(date '+%H:%M:%S')"; }
+# CLOCKS=1: the GPU's SM clock, power and throttle reasons every 250 ms, to line up with the parts' times
+if [[ -n "${CLOCKS:-}" ]]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 250 > "$OUT/clocks.csv" 2>&1 &
+    CLOCKS_PID=$!
+fi
+run_part gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_flash_kernel.py tests/bench/test_bench_profile.py \
+    tests/train/test_master.py
 tail -1 "$OUT/gpu_tests.log" 2>/dev/null
 run_part probe python3 benchmarks/attention_backends_probe.py --variants varlen_fa2,triton \
-    --triton-forward "${FORWARD:-128:128:8:3,128:64:4:3,128:64:8:2,64:64:4:3,64:32:4:3}" \
-    --triton-keys "${KEYS:-64:32:8:3,64:32:8:2,64:64:8:3,64:16:4:3,64:32:4:2}" \
-    --triton-queries "${QUERIES:-64:64:4:3,64:32:4:3,128:32:8:3,128:64:8:3}" --json "$OUT/probe.json"
+    --triton-forward "${FORWARD:-64:64:4:3,64:64:4:4,64:64:8:3,128:64:4:3,64:32:4:3}" \
+    --triton-keys "${KEYS:-64:16:4:3,64:16:4:2,64:16:4:4,64:32:4:2,32:16:4:3}" \
+    --triton-queries "${QUERIES:-64:32:4:3,64:32:4:2,64:16:4:3,64:64:4:3}" --json "$OUT/probe.json"
 grep -E "^(varlen|triton)" "$OUT/probe.log" 2>/dev/null | cut -c1-220
 TRAIN="--model qwen2.5-0.5b-shape --batch 64 --seq-len 1024 --lora-rank 0 --peak-tflops 790 trainer.compile=true \
 trainer.micro_batch_tokens=65536 trainer.packing=true"
 REPEATS=${REPEATS:-2}
 for i in $(seq 1 "$REPEATS"); do
-    for kernel in ${ARMS:-flash triton best}; do
+    for arm in ${ARMS:-flash triton best}; do
+        kernel=${arm%%:*}; name=${arm/:/_}; weights=""
+        [[ $arm == *:* ]] && weights="trainer.param_dtype=${arm#*:}"
         extra=""; [[ -n "${PROFILE:-}" && $i == "$REPEATS" ]] && extra="--profile"
         if [[ $kernel == best ]]; then
             [[ -f "$OUT/probe.json" ]] || continue
-            PART=train run_part "train_best_$i" python3 benchmarks/attention_best_blocking.py "$OUT/probe.json" -- \
-                bench train $TRAIN trainer.packed_attention=triton $extra --json "$OUT/train_best_$i.json"
+            PART=train run_part "train_${name}_$i" python3 benchmarks/attention_best_blocking.py "$OUT/probe.json" -- \
+                bench train $TRAIN trainer.packed_attention=triton $weights $extra --json "$OUT/train_${name}_$i.json"
         else
-            PART=train run_part "train_${kernel}_$i" python3 -m turnrl bench train $TRAIN \
-                trainer.packed_attention=$kernel $extra --json "$OUT/train_${kernel}_$i.json"
+            PART=train run_part "train_${name}_$i" python3 -m turnrl bench train $TRAIN \
+                trainer.packed_attention=$kernel $weights $extra --json "$OUT/train_${name}_$i.json"
         fi
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); s=r['summary']; print(sys.argv[2], 'update_s', \
 s['update_s'], 'mfu_executed', s['update_mfu_executed'], 'host_syncs', r.get('host_syncs'))" \
-            "$OUT/train_${kernel}_$i.json" "$kernel $i" 2>/dev/null
+            "$OUT/train_${name}_$i.json" "$arm $i" 2>/dev/null
     done
 done
+[[ -n "${CLOCKS_PID:-}" ]] && kill "$CLOCKS_PID"
+(cd "$OUT" && ls *.log > /dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)

@@ -1,15 +1,22 @@
 """`turnrl bench train --profile`: device time grouped by kernel kind."""
 
 import json
-
-import pytest
-
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.autograd import DeviceType
 
-from turnrl.bench.profile import Kernel, _kernels, breakdown, category, host_syncs, idle_gaps
+from turnrl.bench.profile import (
+    Kernel,
+    _kernels,
+    breakdown,
+    category,
+    host_syncs,
+    idle_gaps,
+    launch_delays,
+    profile_call,
+)
 from turnrl.cli import main
 
 
@@ -19,6 +26,8 @@ from turnrl.cli import main
     ("aten::addmm", "matmul"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("keys", "attention"),     # turnrl's Triton kernels: forward, keys (dK/dV), queries (dQ)
+    ("queries", "attention"),
     ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", "optimizer"),
     ("Optimizer.step#AdamW.step", "optimizer"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
@@ -85,6 +94,14 @@ def test_idle_gaps_are_the_uncovered_time_between_kernels():
     assert idle_gaps([])["idle_s"] == 0.0
 
 
+def test_launch_delays_tell_a_starved_device_from_a_queued_one():
+    starved = launch_delays([(0.0, 5.0), (100.0, 110.0), (200.0, 204.0)])
+    assert starved["kernels"] == 3 and starved["starved"] == 1.0 and starved["median_ms"] == 0.005
+    queued = launch_delays([(0.0, 3000.0), (10.0, 4000.0), (20.0, 5000.0), (30.0, 20.0)])   # clock skew: 0
+    assert queued["starved"] == 0.25 and queued["median_ms"] == 3.99 and queued["p90_ms"] == 4.98
+    assert launch_delays([]) == {"kernels": 0}
+
+
 def test_host_syncs_is_empty_off_cuda():
     assert host_syncs(lambda: torch.ones(2).sum().item(), torch.device("cpu")) == []
 
@@ -99,3 +116,12 @@ def test_host_syncs_names_the_line_that_waits_for_the_device():
         return float(y.sum())             # a copy to the host: waits
     where = host_syncs(work, torch.device("cuda"))
     assert len(where) == 1 and where[0].startswith("test_bench_profile.py:")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_profile_matches_each_kernel_to_its_launch():
+    x = torch.randn(2048, 2048, device="cuda")
+    report = profile_call(lambda: [x @ x for _ in range(20)], torch.device("cuda"))
+    delay = report["launch_delay"]
+    assert delay["kernels"] >= 20 and 0.0 <= delay["p10_ms"] <= delay["median_ms"] <= delay["p90_ms"]

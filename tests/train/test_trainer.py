@@ -141,3 +141,24 @@ def test_the_trainer_s_thread_gives_back_its_openmp_workers_before_each_rollout(
     monkeypatch.setattr(trainer_module, "release_idle_pool", lambda: calls.append(threading.current_thread().name))
     history = run(tiny_config(tmp_path, "trainer.steps=2"))
     assert len(history) == 2 and calls == [threading.main_thread().name] * 2
+
+
+def test_bf16_weights_with_fp32_masters_train_save_and_resume_exactly(tmp_path):
+    """trainer.param_dtype=bfloat16: the checkpoint carries the fp32 masters, and a run resumed from it goes
+    on as the uninterrupted one did."""
+    import torch
+
+    from turnrl.train.checkpoint import read_torch
+    bf16 = ["trainer.dtype=bfloat16", "trainer.param_dtype=bfloat16", "trainer.save_every=1",
+            "trainer.keep_checkpoints=3"]
+    full = run(tiny_config(tmp_path / "full", *bf16))
+    first = tmp_path / "full" / "checkpoints" / "step_000001"
+    masters = read_torch(first, "extra.pt")["master_weights"]["masters"]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    resumed = run(tiny_config(tmp_path / "resumed", *bf16, f"trainer.resume={first}"))
+    assert len(resumed) == 2 and full[-1]["grad_norm"] > 0
+    for got, want in zip(resumed, full[1:]):
+        g, w = stable(got), stable(want)
+        assert g.keys() == w.keys()
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key

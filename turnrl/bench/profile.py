@@ -25,6 +25,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("optimizer", re.compile(r"adam|multi_tensor_apply|_foreach_|fused_adam", re.I)),
     ("head", re.compile(r"^head_logit_")),   # the fused head's passes over the logits (turnrl/train/head_kernel.py)
     ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
+    ("attention", re.compile(r"^(forward|keys|queries)$")),   # turnrl's Triton attention (turnrl/train/flash_triton.py)
     ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|sm90_|sm80_|cublas|aten::(mm|addmm|bmm|matmul|linear)\b",
                           re.I)),
     # inductor's kernels: reductions (persistent or looped) and pointwise ones, casts fused in or not
@@ -101,6 +102,29 @@ def idle_gaps(spans: Iterable[tuple[float, float, str]], top: int = 8) -> dict[s
             "gaps": [{"ms": g / 1e3, "before": before[:100], "after": after[:100]} for g, before, after in gaps[:top]]}
 
 
+def launch_delays(pairs: Iterable[tuple[float, float]]) -> dict[str, Any]:
+    """How long each kernel waited between its launch on the host and its start on the device (pairs of
+    (launch start, kernel start), microseconds): a device that is the bottleneck holds a queue of launched
+    work (delays of milliseconds); a host that is, launches each kernel just before the device runs dry
+    (delays of microseconds, `starved` near 1)."""
+    delays = sorted(max(0.0, k - h) for h, k in pairs)
+    if not delays:
+        return {"kernels": 0}
+    q = lambda f: delays[min(len(delays) - 1, int(f * len(delays)))] / 1e3   # noqa: E731  (ms)
+    return {"kernels": len(delays), "p10_ms": q(0.1), "median_ms": q(0.5), "p90_ms": q(0.9),
+            "starved": sum(d < 50.0 for d in delays) / len(delays)}
+
+
+def _launch_pairs(prof: Any) -> list[tuple[float, float]]:
+    """(launch start, kernel start) of each device event, matched by CUPTI correlation id to the runtime call
+    (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...) on the host."""
+    launches = {e.id: e.time_range.start for e in prof.events()
+                if getattr(e, "device_type", None) == DeviceType.CPU and e.name.startswith("cu")}
+    return [(launches[e.id], e.time_range.start) for e in prof.events()
+            if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and e.id in launches]
+
+
 def _device_spans(prof: Any) -> list[tuple[float, float, str]]:
     return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
             if getattr(e, "device_type", None) == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
@@ -121,6 +145,7 @@ def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> 
     report = breakdown(_kernels(prof, device), wall, top)
     if device.type == "cuda":
         report["idle"] = idle_gaps(_device_spans(prof))
+        report["launch_delay"] = launch_delays(_launch_pairs(prof))
     return report
 
 
@@ -136,7 +161,10 @@ def host_syncs(fn: Callable[[], Any], device: torch.device) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+    # each wait warns ("called a synchronizing CUDA operation"); switching the mode on warns that it is a
+    # prototype ("... does not yet detect all synchronizing operations"): that one is no wait
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen
+            if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
 
 
 def format_breakdown(report: dict[str, Any], title: str) -> str:
@@ -145,6 +173,11 @@ def format_breakdown(report: dict[str, Any], title: str) -> str:
     lines += [f"  {c:<18} {s * 1e3:8.1f} ms  {report['by_category_fraction'].get(c, 0):6.1%}"
               for c, s in report["by_category_s"].items()]
     lines += [f"    {k['s'] * 1e3:8.2f} ms x{k['calls']:<5} {k['category']:<17} {k['name'][:90]}" for k in report["top"][:12]]
+    delay = report.get("launch_delay")
+    if delay and delay.get("kernels"):
+        lines.append(f"  launch to start: median {delay['median_ms']:.3f} ms (p10 {delay['p10_ms']:.3f}, p90 "
+                     f"{delay['p90_ms']:.3f}); {delay['starved']:.0%} of {delay['kernels']} kernels started within "
+                     f"50 us of their launch (the host was the bottleneck there)")
     idle = report.get("idle")
     if idle:
         lines.append(f"  device idle {idle['idle_s'] * 1e3:.1f} ms between {idle['launches']} launches over "

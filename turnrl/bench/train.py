@@ -48,6 +48,7 @@ from turnrl.engines.hf import resolve_device
 from turnrl.models import resolve
 from turnrl.train import flash_kernel
 from turnrl.train.batching import Rows, micro_batches
+from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import packed_tokens, use_packed_attention
 from turnrl.train.policy import autocast_dtype, compile_layers, load_policy, trainable_parameters
@@ -198,9 +199,12 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
             compile_layers(model)
     setup_s = time.perf_counter() - t0
-    params = trainable_parameters(model)
+    master = master_weights([model], cfg.trainer.param_dtype, amp, device, settings.exact)   # as the trainer
+    params = master.masters if master else trainable_parameters(model)
     total = (warmup + steps * repeats) * settings.epochs * settings.mini_batches
     optimizer, scheduler = build_optimizer(params, cfg.trainer.optim, total)
+    if master:
+        master.attach(optimizer)
     generator = torch.Generator().manual_seed(seed)
     counts = model_counts(model)
     rows = synthetic_rows(batch, seq_len, counts["vocab"], device, seed, min_fraction, prompt_fraction, turns,
@@ -228,20 +232,25 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         load = os.getloadavg()[0]
         _sync(device)
         start = time.perf_counter()
-        stats = [update() for _ in range(steps)]
+        stats, ends = [], []
+        for _ in range(steps):   # an update ends reading its metrics back: each end is its work's end
+            stats.append(update())
+            ends.append(time.perf_counter())
         _sync(device)
         update_s = (time.perf_counter() - start) / steps
+        each = [b - a for a, b in zip([start] + ends, ends)]
         start = time.perf_counter()
         for _ in range(steps):
             forward()
         _sync(device)
         forward_s = (time.perf_counter() - start) / steps
-        runs.append({"repeat": r, "loadavg_1m": load, "update_s": update_s, "logprob_pass_s": forward_s,
+        runs.append({"repeat": r, "loadavg_1m": load, "update_s": update_s, "update_steps_s": each,
+                     "logprob_pass_s": forward_s,
                      "loss": stats[-1].get("loss/policy"), "grad_norm": stats[-1].get("grad_norm"),
                      **_rates(per_update, update_s, forward_s, peak_tflops)})
     profiled = {"update": profile_call(update, device), "logprob_pass": profile_call(forward, device)} \
         if profile else None
-    keys = [k for k in runs[0] if k not in ("repeat", "loadavg_1m", "loss", "grad_norm")]
+    keys = [k for k in runs[0] if k not in ("repeat", "loadavg_1m", "loss", "grad_norm", "update_steps_s")]
     summary = {k: spread([run[k] for run in runs]) for k in keys if runs[0][k] is not None}
     return {"benchmark": "train", "summary": summary, "runs": runs, "work_per_update": per_update,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
@@ -254,6 +263,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
                        "min_fraction": min_fraction, "prompt_fraction": prompt_fraction, "turns": turns,
                        "group": cfg.rollout.n, "steps": steps, "repeats": repeats, "warmup": warmup,
                        "device": str(device), "autocast": str(amp).removeprefix("torch.") if amp else "float32",
+                       "weights": "bfloat16, fp32 masters" if master else "float32",
                        "gradient_checkpointing": cfg.model.gradient_checkpointing, "seed": seed,
                        "algo": to_dict(cfg.algo), "trainer": to_dict(cfg.trainer),
                        **({"triton_attention": flash_kernel.blocking()}
@@ -278,7 +288,8 @@ def format_report(report: dict[str, Any]) -> str:
     cfg, w, m = report["config"], report["work_per_update"], report["model"]
     lora = f"LoRA r={cfg['lora']['rank']}" if cfg["lora"]["rank"] else "full fine-tuning"
     lines = [f"train benchmark: {cfg['model']} ({m['n_params'] / 1e6:.1f}M params, {m['n_trainable'] / 1e6:.2f}M "
-             f"trainable, {lora}) on {cfg['device']} ({cfg['autocast']}), {cfg['batch']} rows x <= "
+             f"trainable, {lora}) on {cfg['device']} ({cfg['autocast']}, weights {cfg.get('weights', 'float32')}), "
+             f"{cfg['batch']} rows x <= "
              f"{cfg['seq_len']} tokens: {w['tokens']} tokens/update ({w['policy_tokens']} in the loss), "
              f"padding {w['padding_fraction']:.1%}, micro-batch budget {cfg['trainer']['micro_batch_tokens']}",
              f"{'repeat':>6} {'update s':>9} {'tok/s':>9} {'MFU exec':>9} {'TFLOP/s 6N':>11} {'MFU 6N':>7} {'MFU attn':>9} "

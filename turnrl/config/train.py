@@ -114,6 +114,9 @@ class TrainerConfig:
     steps: int = 10
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the weights the models compute with: bfloat16
+    #                                      = bf16 weights + fp32 master weights (turnrl/train/master.py); auto =
+    #                                      bfloat16 on GPUs under bf16 autocast (as the Ray ranks' FSDP2), else fp32
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs_per_step: int = 1             # PPO epochs over each rollout batch
     mini_batches: int = 1                # optimizer steps per epoch
@@ -165,6 +168,9 @@ class TrainerConfig:
             raise ConfigError("'carry_over' lets groups run on while the trainer updates: set 'async_rollout: true' "
                               "(placement split) or 'carry_over: 0'.")
         positive("max_masked_steps", self.max_masked_steps, allow_zero=True)
+        if self.param_dtype == "bfloat16" and self.dtype == "float32":
+            raise ConfigError("'param_dtype: bfloat16' computes in bf16 under bf16 autocast: set 'dtype' to bfloat16 "
+                              "or auto, or 'param_dtype' to float32.")
         if self.packed_attention != "flash" and not self.packing:
             raise ConfigError(f"'packed_attention: {self.packed_attention}' applies to packed micro-batches only: "
                               "set 'packing: true' or remove 'packed_attention'.")

@@ -33,6 +33,7 @@ from turnrl.config.schema import OptimConfig
 from turnrl.distributed.sync import TensorMeta, WeightPayload, cast_all, ipc_handles, open_group, send_buckets
 from turnrl.train.batching import Rows, to_device
 from turnrl.train.host_memory import retain_for_training
+from turnrl.train.master import resolve_param_dtype
 from turnrl.train.update import Stats, UpdateSettings, means, micro_step
 
 Micro = list[tuple[torch.Tensor, int] | None]
@@ -56,6 +57,7 @@ class RankSpec:
     gpu: bool
     threads: int = 0
     retain_host_memory: bool = True  # CPU ranks: malloc keeps freed memory (turnrl.train.host_memory)
+    param_dtype: str = "auto"        # trainer.param_dtype: the FSDP2 policy's param_dtype (auto: bf16 on GPUs)
 
 
 def _free_port() -> int:
@@ -79,6 +81,15 @@ def shard_model(model: Any, mesh: Any, amp: torch.dtype | None = None) -> None:
         if type(module).__name__ in blocks:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def rank_param_dtype(param_dtype: str, amp: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """The FSDP2 policy's param_dtype for trainer.param_dtype (None: the fp32 weights themselves)."""
+    if param_dtype == "bfloat16" and device.type != "cuda":
+        raise ValueError("trainer.param_dtype=bfloat16 runs on GPU ranks; the CPU ranks keep fp32 weights: set "
+                         "trainer.param_dtype to auto or float32")
+    compute = resolve_param_dtype(param_dtype, amp, device)
+    return None if compute == torch.float32 else compute
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -145,9 +156,10 @@ class TrainRank:
         self.reference = Reference(self.policy) if s.settings.needs_ref else None
         self.amp = autocast_dtype(s.dtype, self.device)
         mesh = init_device_mesh(self.device.type, (self.world,))
-        shard_model(self.policy, mesh, self.amp if s.gpu else None)
+        compute = rank_param_dtype(s.param_dtype, self.amp, self.device)
+        shard_model(self.policy, mesh, compute)
         if self.reference is not None and self.reference.copy is not None:
-            shard_model(self.reference.copy, mesh, self.amp if s.gpu else None)
+            shard_model(self.reference.copy, mesh, compute)
         self.params = trainable_parameters(self.policy)
         self.names = [n for n, p in self.policy.named_parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.params, s.optim, s.total_steps)

@@ -30,7 +30,7 @@ from turnrl.data import Task
 from turnrl.distributed import placement as place
 from turnrl.distributed.async_rollout import CarryPool, Pipeline
 from turnrl.distributed.balance import plan_mini, plan_passes
-from turnrl.distributed.ranks import RankGroup, RankSpec, TrainRank, merge_updates
+from turnrl.distributed.ranks import RankGroup, RankSpec, TrainRank, merge_updates, rank_param_dtype
 from turnrl.distributed.replicas import EngineReplica, ReplicaPool
 from turnrl.engines.router import Router
 from turnrl.distributed.sync import WeightSync, resolve_transport
@@ -116,9 +116,11 @@ class DistributedTrainer:
         send_dtype = "float32" if cfg.engine.dtype == "float32" else (
             "bfloat16" if cfg.engine.dtype == "auto" else cfg.engine.dtype)
         lora = cfg.model.lora
+        rank_param_dtype(t.param_dtype, torch.bfloat16, torch.device("cuda" if gpu else "cpu"))   # refused here, early
         spec = RankSpec(str(self.model_dir), lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                         cfg.model.gradient_checkpointing, t.optim, t.steps * t.epochs_per_step * t.mini_batches,
-                        self.settings, t.dtype, send_dtype, cfg.seed, gpu, threads, t.retain_host_memory)
+                        self.settings, t.dtype, send_dtype, cfg.seed, gpu, threads, t.retain_host_memory,
+                        param_dtype=t.param_dtype)
         rank_cls = self.ray.remote(TrainRank)
         self.ranks = RankGroup([
             rank_cls.options(**place.actor_options(self.group, self.layout.rank_bundle[r],

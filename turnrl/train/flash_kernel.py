@@ -33,12 +33,14 @@ from turnrl.exact.triton_build import usable_on
 
 LOG2E = 1.4426950408889634
 
-# (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second
-# (sm90 builds at head size 64, compiled offline by benchmarks/flash_kernel_build_probe.py with Triton 3.6, the GPU
-# machine's, and 3.9: none spills under either; the key program at 64 x 64 spills under 3.6, with 8 warps or 4)
-FORWARD = (128, 64, 8, 3)     # queries x keys a step
-KEYS = (64, 32, 8, 3)         # backward dK/dV: keys a program x queries a step
-QUERIES = (64, 64, 8, 3)      # backward dQ: queries a program x keys a step
+# (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second. The fastest
+# of the sweep on an H100 at head size 64 (2026-12-07, benchmarks/results/h100_attention_probe_2026-12-07.json:
+# forward 0.42 ms against 0.55 at 128x64/8 warps; dK/dV at 64x16/4 warps 1.99 ms forward and backward against
+# FA2's 2.23); none spills when built offline with Triton 3.6, the GPU machine's
+# (benchmarks/flash_kernel_build_probe.py; the key program at 64 x 64 spills under 3.6, with 8 warps or 4)
+FORWARD = (64, 64, 4, 3)      # queries x keys a step
+KEYS = (64, 16, 4, 3)         # backward dK/dV: keys a program x queries a step
+QUERIES = (64, 32, 4, 3)      # backward dQ: queries a program x keys a step
 ATOMIC_DQ = False             # True: the dK/dV kernel adds dQ with float32 atomics, no dQ kernel (FA2's way)
 
 

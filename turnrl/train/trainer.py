@@ -39,6 +39,7 @@ from turnrl.train.dynamic_sampling import collect_step, shape_overlong
 from turnrl.train.batching import Rows
 from turnrl.train.host_memory import retain_for_training
 from turnrl.train.metrics import accuracy_of
+from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import use_packed_attention
 from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, is_lora, load_critic,
@@ -113,13 +114,18 @@ class Trainer:
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
         if cfg.trainer.compile:
             compile_layers(self.policy)
-        self.params = trainable_parameters(self.policy)
         self.critic = None
         if self.settings.advantage == "gae":  # PPO: a value model initialised from the policy's weights
             self.critic = load_critic(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.target_modules)
-            self.params += trainable_parameters(self.critic)
+        models = [self.policy] + ([self.critic] if self.critic is not None else [])
+        frozen = [self.reference.copy] if self.reference is not None and self.reference.copy is not None else []
+        self.master = master_weights(models, cfg.trainer.param_dtype, self.amp, self.device, self.settings.exact,
+                                     frozen)
+        self.params = self.master.masters if self.master else [p for m in models for p in trainable_parameters(m)]
         total = cfg.trainer.steps * cfg.trainer.epochs_per_step * cfg.trainer.mini_batches
         self.optimizer, self.scheduler = build_optimizer(self.params, cfg.trainer.optim, total)
+        if self.master:
+            self.master.attach(self.optimizer)
         self.start_step = 0
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
@@ -151,6 +157,8 @@ class Trainer:
             self.reference.load_state_dict(extra.get("reference"))
         if self.critic is not None:
             self.critic.load_state_dict(extra["critic"])
+        if self.master:
+            self.master.resume(extra.get("master_weights"))
         self.start_step = state["step"]
         self.data.position = state["data_position"]
         resumed(self.out, path, self.start_step)
@@ -192,6 +200,8 @@ class Trainer:
             extra["reference"] = self.reference.state_dict()
         if self.critic is not None:
             extra["critic"] = self.critic.state_dict()
+        if self.master:   # the model files hold the bf16 weights; the fp32 masters resume exactly
+            extra["master_weights"] = self.master.state_dict()
         return ckpt.save_checkpoint(self.out / "checkpoints", step, self.policy, self.optimizer, self.scheduler,
                                     self.generator, {"data_position": self.data.position, "config": to_dict(self.cfg)},
                                     self.cfg.trainer.keep_checkpoints, extra or None)
