@@ -132,24 +132,21 @@ def test_master_state_round_trips_exactly_and_an_fp32_checkpoint_warns(base):
     assert all(torch.equal(m, w.float()) for m, w in zip(second.masters, b.parameters()))
 
 
-def test_param_dtype_resolves_per_device_and_refuses_what_cannot_hold():
-    cuda = torch.device("cuda")
-    assert resolve_param_dtype("auto", BF16, cuda) == BF16
-    assert resolve_param_dtype("auto", BF16, CPU) == torch.float32
-    assert resolve_param_dtype("auto", None, cuda) == torch.float32
-    assert resolve_param_dtype("float32", BF16, cuda) == torch.float32
-    assert resolve_param_dtype("bfloat16", BF16, CPU) == BF16
-    assert resolve_param_dtype("auto", BF16, cuda, exact=torch.float32) == torch.float32
+def test_param_dtype_bf16_only_when_asked_and_refused_where_it_cannot_hold():
+    for asked in ("auto", "float32"):
+        assert resolve_param_dtype(asked, BF16) == torch.float32   # the local trainer's auto keeps fp32 weights
+    assert resolve_param_dtype("bfloat16", BF16) == BF16
     with pytest.raises(ValueError, match="trainer.dtype=bfloat16"):
-        resolve_param_dtype("bfloat16", None, CPU)
+        resolve_param_dtype("bfloat16", None)
     with pytest.raises(ValueError, match="engine.exact"):
-        resolve_param_dtype("bfloat16", BF16, CPU, exact=torch.float32)
-    assert master_weights([torch.nn.Linear(2, 2)], "auto", BF16, CPU) is None
+        resolve_param_dtype("bfloat16", BF16, exact=torch.float32)
+    assert resolve_param_dtype("auto", BF16, exact=torch.float32) == torch.float32
+    assert master_weights([torch.nn.Linear(2, 2)], "auto", BF16) is None
 
 
 def test_a_frozen_reference_is_cast_without_masters(base):
     model, reference = copy.deepcopy(base), copy.deepcopy(base).requires_grad_(False)
-    master = master_weights([model], "bfloat16", BF16, CPU, frozen=[reference])
+    master = master_weights([model], "bfloat16", BF16, frozen=[reference])
     assert master is not None and all(p.dtype == BF16 for p in reference.parameters())
     assert len(master.masters) == len(trainable_parameters(model))
 

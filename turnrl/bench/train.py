@@ -199,7 +199,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
             compile_layers(model)
     setup_s = time.perf_counter() - t0
-    master = master_weights([model], cfg.trainer.param_dtype, amp, device, settings.exact)   # as the trainer
+    master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)   # as the trainer
     params = master.masters if master else trainable_parameters(model)
     total = (warmup + steps * repeats) * settings.epochs * settings.mini_batches
     optimizer, scheduler = build_optimizer(params, cfg.trainer.optim, total)

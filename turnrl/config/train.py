@@ -116,7 +116,7 @@ class TrainerConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the weights the models compute with: bfloat16
     #                                      = bf16 weights + fp32 master weights (turnrl/train/master.py); auto =
-    #                                      bfloat16 on GPUs under bf16 autocast (as the Ray ranks' FSDP2), else fp32
+    #                                      float32 in the local trainer, bf16 on GPU Ray ranks (FSDP2's param_dtype)
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs_per_step: int = 1             # PPO epochs over each rollout batch
     mini_batches: int = 1                # optimizer steps per epoch

@@ -33,7 +33,6 @@ from turnrl.config.schema import OptimConfig
 from turnrl.distributed.sync import TensorMeta, WeightPayload, cast_all, ipc_handles, open_group, send_buckets
 from turnrl.train.batching import Rows, to_device
 from turnrl.train.host_memory import retain_for_training
-from turnrl.train.master import resolve_param_dtype
 from turnrl.train.update import Stats, UpdateSettings, means, micro_step
 
 Micro = list[tuple[torch.Tensor, int] | None]
@@ -84,12 +83,14 @@ def shard_model(model: Any, mesh: Any, amp: torch.dtype | None = None) -> None:
 
 
 def rank_param_dtype(param_dtype: str, amp: torch.dtype | None, device: torch.device) -> torch.dtype | None:
-    """The FSDP2 policy's param_dtype for trainer.param_dtype (None: the fp32 weights themselves)."""
+    """The FSDP2 policy's param_dtype for trainer.param_dtype: bf16 on GPU ranks under bf16 autocast unless
+    `float32` (None: the fp32 weights themselves, as on CPU ranks)."""
     if param_dtype == "bfloat16" and device.type != "cuda":
         raise ValueError("trainer.param_dtype=bfloat16 runs on GPU ranks; the CPU ranks keep fp32 weights: set "
                          "trainer.param_dtype to auto or float32")
-    compute = resolve_param_dtype(param_dtype, amp, device)
-    return None if compute == torch.float32 else compute
+    if param_dtype == "float32" or amp != torch.bfloat16 or device.type != "cuda":
+        return None
+    return torch.bfloat16
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

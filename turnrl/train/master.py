@@ -10,6 +10,8 @@ reduce_dtype=fp32)`), here on one device:
 - after each optimizer step the masters are copied (rounded to nearest) into the bf16 weights.
 Against fp32 weights under autocast, the tensors between the matmuls (residual stream, norms, their
 gradients) move half the bytes and no weight is cast again per micro-batch; the matmuls were bf16 already.
+`auto` keeps fp32 weights in the local trainer (bf16 ones have not yet been timed faster on one GPU) and
+means FSDP2's bf16 on GPU ranks, as before.
 """
 
 from __future__ import annotations
@@ -22,29 +24,27 @@ import torch
 __all__ = ["MasterWeights", "master_weights", "resolve_param_dtype", "cast_weights"]
 
 
-def resolve_param_dtype(param_dtype: str, amp: torch.dtype | None, device: torch.device,
-                        exact: torch.dtype | None = None) -> torch.dtype:
-    """The dtype the models compute with: `auto` is bf16 on GPUs under bf16 autocast (as the distributed
-    ranks), fp32 elsewhere. Raises where `bfloat16` cannot hold."""
-    if param_dtype == "float32" or (param_dtype == "auto" and (amp != torch.bfloat16 or device.type != "cuda")):
+def resolve_param_dtype(param_dtype: str, amp: torch.dtype | None, exact: torch.dtype | None = None) -> torch.dtype:
+    """The dtype the local trainer's models compute with: bf16 for `bfloat16`, else fp32 (`auto` keeps fp32
+    weights here: bf16 ones have not been timed faster on one GPU; the Ray ranks' `auto` is FSDP2's bf16,
+    `turnrl.distributed.ranks.rank_param_dtype`). Raises where `bfloat16` cannot hold."""
+    if param_dtype != "bfloat16":
         return torch.float32
     if amp != torch.bfloat16:
         raise ValueError("trainer.param_dtype=bfloat16 computes in bf16 under bf16 autocast, which is off here "
                          "(trainer.dtype float32, or auto on a CPU without native bf16): set trainer.dtype=bfloat16 "
-                         "or trainer.param_dtype=float32.")
+                         "or trainer.param_dtype to auto or float32.")
     if exact is not None:
-        if param_dtype == "auto":
-            return torch.float32
         raise ValueError("engine.exact runs the engine's forward on the trainer's fp32 weights: set "
-                         "trainer.param_dtype to float32 or auto with engine.exact.")
+                         "trainer.param_dtype to auto or float32 with engine.exact.")
     return torch.bfloat16
 
 
-def master_weights(models: list[Any], param_dtype: str, amp: torch.dtype | None, device: torch.device,
-                   exact: torch.dtype | None = None, frozen: list[Any] | None = None) -> MasterWeights | None:
+def master_weights(models: list[Any], param_dtype: str, amp: torch.dtype | None, exact: torch.dtype | None = None,
+                   frozen: list[Any] | None = None) -> MasterWeights | None:
     """`MasterWeights` over the trainable `models` where `param_dtype` resolves to bf16 (the `frozen` ones,
     e.g. a reference copy, are cast too: they need no masters); None where the models stay fp32."""
-    dtype = resolve_param_dtype(param_dtype, amp, device, exact)
+    dtype = resolve_param_dtype(param_dtype, amp, exact)
     if dtype == torch.float32:
         return None
     for model in frozen or []:

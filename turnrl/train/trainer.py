@@ -119,8 +119,7 @@ class Trainer:
             self.critic = load_critic(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.target_modules)
         models = [self.policy] + ([self.critic] if self.critic is not None else [])
         frozen = [self.reference.copy] if self.reference is not None and self.reference.copy is not None else []
-        self.master = master_weights(models, cfg.trainer.param_dtype, self.amp, self.device, self.settings.exact,
-                                     frozen)
+        self.master = master_weights(models, cfg.trainer.param_dtype, self.amp, self.settings.exact, frozen)
         self.params = self.master.masters if self.master else [p for m in models for p in trainable_parameters(m)]
         total = cfg.trainer.steps * cfg.trainer.epochs_per_step * cfg.trainer.mini_batches
         self.optimizer, self.scheduler = build_optimizer(self.params, cfg.trainer.optim, total)
