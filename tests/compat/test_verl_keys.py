@@ -38,6 +38,14 @@ def test_algorithm_keys():
     assert t.errors and "token-mean" in t.errors[0].note
 
 
+def test_mixed_precision_param_dtype_keys():
+    key = "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"
+    assert translate([f"{key}=bf16"], {}).assign["trainer.param_dtype"] == "auto"
+    assert translate([f"{key}=fp32"], {}).assign["trainer.param_dtype"] == "float32"
+    t = translate([f"{key}=fp16"], {})
+    assert t.errors and "float16 weights" in t.errors[0].note
+
+
 def test_kl_keys():
     a = translate(["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=kl"], {}).assign
     assert (a["algo.kl_coef"], a["algo.kl_type"]) == (0.001, "k1")      # verl's default coefficient

@@ -129,6 +129,17 @@ def test_lora_run_resumes_and_exports_a_merged_model(tmp_path):
     assert not torch.equal(exported[proj], base[proj].to(torch.bfloat16))  # the adapter was merged in
 
 
+def test_bf16_weights_with_fp32_masters_train_lora_and_resume_exactly(tmp_path):
+    """trainer.param_dtype=bfloat16 in SFT: the adapters train from fp32 masters (clipped there), the base
+    weights are bf16, and a resumed run takes the same steps."""
+    bf16 = ["model.lora.rank=4", "trainer.dtype=bfloat16", "trainer.param_dtype=bfloat16"]
+    first = run(sft_config(tmp_path / "a", *bf16, "trainer.save_every=2"))
+    assert len(first) == 4 and all(r["grad_norm"] > 0 and math.isfinite(r["sft/loss"]) for r in first)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    resumed = run(sft_config(tmp_path / "b", *bf16, f"trainer.resume={ckpt}"))
+    assert stable(resumed) == stable(first[2:])
+
+
 def test_token_budget_micro_batches_take_the_same_step_as_one_batch(monkeypatch):
     """A budget that fits one row per micro-batch (each cut to its own length) gives the step that a single
     padded micro-batch gives: the loss is the token mean over the whole mini-batch either way."""

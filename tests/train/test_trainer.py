@@ -44,6 +44,8 @@ def stable(metrics: dict) -> dict:
     ["algo.advantage=gae", "trainer.epochs_per_step=2", "trainer.mini_batches=2"],
     ["algo.advantage=grpo", "algo.turn_level=true", "algo.gamma=0.9", "model.lora.rank=4", "algo.kl_coef=0.1",
      "algo.entropy_coef=0.01", "algo.tis_cap=2.0", "algo.dual_clip=3.0"],
+    # bf16 weights from fp32 masters: the critic's too, and a bf16 reference copy
+    ["algo.advantage=gae", "algo.kl_coef=0.1", "trainer.dtype=bfloat16", "trainer.param_dtype=bfloat16"],
 ])
 def test_estimators_train(tmp_path, extra):
     history = run(tiny_config(tmp_path, "trainer.steps=2", *extra))

@@ -177,6 +177,17 @@ def model_dtype(value: Any, ctx: Ctx) -> Out:
     return Out({"trainer.dtype": dtype}, "turnrl keeps fp32 weights and computes in this dtype (autocast)")
 
 
+def param_dtype(value: Any, ctx: Ctx) -> Out:
+    dtype = one_of(value, DTYPES, "param_dtype")
+    if dtype == "float16":
+        raise Refused("float16 weights are not supported: use bf16 or fp32")
+    if dtype == "bfloat16":   # on an AVX2 CPU bf16 would run 60x slower, and the local trainer keeps fp32 weights
+        return Out({"trainer.param_dtype": "auto"},
+                   "the Ray ranks' FSDP2 computes in bf16 from fp32 masters as verl's does; the local trainer keeps "
+                   "fp32 weights under autocast (trainer.param_dtype=bfloat16 takes verl's recipe there too)")
+    return Out({"trainer.param_dtype": dtype}, "fp32 weights under autocast, on the ranks too")
+
+
 def critic(value: Any, ctx: Ctx) -> Out:
     if ctx.get("algorithm.adv_estimator") != "gae":
         return na("no critic: adv_estimator is not gae")

@@ -103,11 +103,14 @@ def _is_trajectory_file(path: Path) -> bool:
 def sft_epoch(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, examples: list[Trajectory],
               batch_size: int, micro_batch_tokens: int, grad_clip: float, amp: torch.dtype | None,
               device: torch.device, order_seed: int, pad_id: int, skip_batches: int = 0,
-              on_step: Any = None) -> None:
+              on_step: Any = None, params: list[torch.nn.Parameter] | None = None) -> None:
     """One pass over `examples` in the order drawn from `order_seed` (so a resumed epoch sees the same
-    order); `on_step(batch_index, metrics)` after each optimizer step."""
+    order); `on_step(batch_index, metrics)` after each optimizer step. `params`: what the optimizer steps and
+    the gradient clipping sees (default the model's trainable parameters; the fp32 masters with
+    `turnrl.train.master.MasterWeights`)."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(order_seed)).tolist()
-    params = [p for p in model.parameters() if p.requires_grad]
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     for b, start in enumerate(range(0, len(order), batch_size)):
         if b < skip_batches:
             continue

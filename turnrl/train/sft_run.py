@@ -18,6 +18,7 @@ from turnrl.rewards.build import reward_functions
 from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.host_memory import retain_for_training
+from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
 from turnrl.train.policy import autocast_dtype, export_weights, load_policy, trainable_parameters
 from turnrl.train.sft import load_examples, sft_epoch
@@ -41,6 +42,8 @@ class SFTRun:
         lora = cfg.model.lora
         self.policy = load_policy(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.dropout,
                                   lora.target_modules, cfg.model.gradient_checkpointing)
+        self.master = master_weights([self.policy], cfg.trainer.param_dtype, self.amp)   # as the RL trainer
+        self.params = self.master.masters if self.master else trainable_parameters(self.policy)
         self.logger = open_logger(cfg, self.out)
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -58,8 +61,9 @@ class SFTRun:
     def _optimizer(self, n_examples: int, passes: int) -> None:
         per_epoch = math.ceil(n_examples / self.cfg.sft.batch_size)
         self.per_epoch = per_epoch
-        self.optimizer, self.scheduler = build_optimizer(trainable_parameters(self.policy), self.cfg.trainer.optim,
-                                                         per_epoch * passes)
+        self.optimizer, self.scheduler = build_optimizer(self.params, self.cfg.trainer.optim, per_epoch * passes)
+        if self.master:
+            self.master.attach(self.optimizer)
         self.generator = torch.Generator().manual_seed(self.cfg.seed)
 
     def _on_step(self, metrics: dict[str, Any]) -> None:
@@ -73,14 +77,15 @@ class SFTRun:
     def save(self, state: dict[str, Any]) -> Path:
         return ckpt.save_checkpoint(self.out / "checkpoints", self.step, self.policy, self.optimizer, self.scheduler,
                                     self.generator, {"data_position": self.step, **state},
-                                    self.cfg.trainer.keep_checkpoints)
+                                    self.cfg.trainer.keep_checkpoints,
+                                    {"master_weights": self.master.state_dict()} if self.master else None)
 
     def _epochs(self, examples: list[Trajectory], epochs: int, first_epoch: int = 0, skip: int = 0) -> None:
         t = self.cfg.trainer
         for epoch in range(first_epoch, epochs):
             sft_epoch(self.policy, self.optimizer, self.scheduler, examples, self.cfg.sft.batch_size,
                       t.micro_batch_tokens, t.optim.grad_clip, self.amp, self.device, self.cfg.seed + epoch,
-                      self.pad_id, skip if epoch == first_epoch else 0, lambda b, m: self._on_step(m))
+                      self.pad_id, skip if epoch == first_epoch else 0, lambda b, m: self._on_step(m), self.params)
 
     async def run(self) -> list[dict[str, Any]]:
         try:
@@ -92,7 +97,10 @@ class SFTRun:
                 first_epoch, skip = 0, 0
                 if self.cfg.trainer.resume:
                     path = ckpt.find_checkpoint(self.cfg.trainer.resume, self.out / "checkpoints")
-                    state, _ = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.generator)
+                    state, extra = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler,
+                                                        self.generator)
+                    if self.master:
+                        self.master.resume(extra.get("master_weights"))
                     self.step = state["step"]
                     first_epoch, skip = divmod(self.step, self.per_epoch)
                 self._epochs(examples, self.cfg.sft.epochs, first_epoch, skip)
