@@ -24,6 +24,8 @@ def test_bench_train_writes_the_report(tmp_path):
     run = report["runs"][0]
     w = report["work_per_update"]
     assert run["update_tokens_per_s"] == pytest.approx(w["tokens"] / run["update_s"])
+    assert len(run["update_steps_s"]) == 1 and 0 < run["update_steps_s"][0] <= run["update_s"] * 1.001
+    assert run["update_gc_pause_s"] >= 0 and report["config"]["weights"] == "float32"
     assert run["update_mfu_6n"] == pytest.approx(run["update_tflops_6n"] / 1.0)
     assert run["update_mfu_with_attention"] > run["update_mfu_6n"]
     assert 0 < w["policy_tokens"] < w["tokens"] <= w["padded_tokens"]

@@ -46,6 +46,7 @@ from turnrl.bench.profile import format_breakdown, host_syncs, profile_call
 from turnrl.config import Config, to_dict
 from turnrl.engines.hf import resolve_device
 from turnrl.models import resolve
+from turnrl.observe.gc_heap import freeze_heap, gc_pauses
 from turnrl.train import flash_kernel
 from turnrl.train.batching import Rows, micro_batches
 from turnrl.train.master import master_weights
@@ -224,6 +225,8 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     for _ in range(warmup):
         update()
         forward()
+    if warmup and cfg.engine.gc_freeze:   # as the trainer after its first step: what compiling made stays out
+        freeze_heap()                     # of the collector's full passes (turnrl/observe/gc_heap.py)
     syncs = {"update": host_syncs(update, device), "logprob_pass": host_syncs(forward, device)}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -231,6 +234,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     for r in range(repeats):
         load = os.getloadavg()[0]
         _sync(device)
+        gc_before = gc_pauses().snapshot()
         start = time.perf_counter()
         stats, ends = [], []
         for _ in range(steps):   # an update ends reading its metrics back: each end is its work's end
@@ -239,18 +243,21 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         _sync(device)
         update_s = (time.perf_counter() - start) / steps
         each = [b - a for a, b in zip([start] + ends, ends)]
+        gc_pause = gc_pauses().since(gc_before)["time/gc_pause_s"]   # inside the timed updates
         start = time.perf_counter()
         for _ in range(steps):
             forward()
         _sync(device)
         forward_s = (time.perf_counter() - start) / steps
         runs.append({"repeat": r, "loadavg_1m": load, "update_s": update_s, "update_steps_s": each,
+                     "update_gc_pause_s": gc_pause,
                      "logprob_pass_s": forward_s,
                      "loss": stats[-1].get("loss/policy"), "grad_norm": stats[-1].get("grad_norm"),
                      **_rates(per_update, update_s, forward_s, peak_tflops)})
     profiled = {"update": profile_call(update, device), "logprob_pass": profile_call(forward, device)} \
         if profile else None
-    keys = [k for k in runs[0] if k not in ("repeat", "loadavg_1m", "loss", "grad_norm", "update_steps_s")]
+    keys = [k for k in runs[0] if k not in ("repeat", "loadavg_1m", "loss", "grad_norm", "update_steps_s",
+                                            "update_gc_pause_s")]
     summary = {k: spread([run[k] for run in runs]) for k in keys if runs[0][k] is not None}
     return {"benchmark": "train", "summary": summary, "runs": runs, "work_per_update": per_update,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
