@@ -86,9 +86,8 @@ def test_an_update_steps_the_masters_and_rounds_them_into_the_weights(base, rows
         model = copy.deepcopy(base).to(device)
         master = MasterWeights([model]) if with_masters else None
         params = master.masters if master else trainable_parameters(model)
-        optimizer, scheduler = build_optimizer(params, load_config(None, ["trainer.optim.lr=1e-3"]).trainer.optim, 4)
-        if master:
-            master.attach(optimizer)
+        optimizer, scheduler = build_optimizer(params, load_config(None, ["trainer.optim.lr=1e-3"]).trainer.optim, 4,
+                                               master)
         batch = dataclasses.replace(rows, old_logprobs=rows.old_logprobs.clone())
         settings = UpdateSettings(micro_batch_tokens=100, mini_batches=2)
         stats = policy_update(model, optimizer, scheduler, batch, settings, BF16, torch.Generator().manual_seed(0),

@@ -203,9 +203,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)   # as the trainer
     params = master.masters if master else trainable_parameters(model)
     total = (warmup + steps * repeats) * settings.epochs * settings.mini_batches
-    optimizer, scheduler = build_optimizer(params, cfg.trainer.optim, total)
-    if master:
-        master.attach(optimizer)
+    optimizer, scheduler = build_optimizer(params, cfg.trainer.optim, total, master)
     generator = torch.Generator().manual_seed(seed)
     counts = model_counts(model)
     rows = synthetic_rows(batch, seq_len, counts["vocab"], device, seed, min_fraction, prompt_fraction, turns,

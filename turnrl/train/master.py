@@ -60,8 +60,9 @@ def cast_weights(model: Any, dtype: torch.dtype) -> None:
 
 
 class MasterWeights:
-    """fp32 masters of the trainable parameters of `models`, whose weights become `dtype`. Build the optimizer
-    over `masters`, then `attach` it: each step then copies the masters into the weights."""
+    """fp32 masters of the trainable parameters of `models`, whose weights become `dtype`. The optimizer steps
+    `masters` and is `attach`ed (`turnrl.train.optim.build_optimizer(masters, ..., master=self)` does both):
+    each step then copies the masters into the weights."""
 
     def __init__(self, models: list[Any], dtype: torch.dtype = torch.bfloat16):
         seen: set[int] = set()

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from turnrl.config.schema import OptimConfig
+from turnrl.train.master import MasterWeights
 
 
 def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Callable[[int], float]:
@@ -21,8 +22,10 @@ def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Calla
     return fn
 
 
-def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_steps: int
-                    ) -> tuple[torch.optim.Optimizer, Any]:
+def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_steps: int,
+                    master: MasterWeights | None = None) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over `params` and its schedule; with `master` (`params` are then its fp32 masters) each step is
+    followed by the copy of the masters into the bf16 weights."""
     if not params:
         raise ValueError("the model has no trainable parameters")
     fused = all(p.is_cuda for p in params)  # one kernel for all parameters on GPUs
@@ -30,4 +33,6 @@ def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_step
                                   fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(o.warmup_steps, total_steps, o.schedule, o.min_lr_ratio))
+    if master is not None:
+        master.attach(optimizer)
     return optimizer, scheduler

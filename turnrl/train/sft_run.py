@@ -61,9 +61,8 @@ class SFTRun:
     def _optimizer(self, n_examples: int, passes: int) -> None:
         per_epoch = math.ceil(n_examples / self.cfg.sft.batch_size)
         self.per_epoch = per_epoch
-        self.optimizer, self.scheduler = build_optimizer(self.params, self.cfg.trainer.optim, per_epoch * passes)
-        if self.master:
-            self.master.attach(self.optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.params, self.cfg.trainer.optim, per_epoch * passes,
+                                                         self.master)
         self.generator = torch.Generator().manual_seed(self.cfg.seed)
 
     def _on_step(self, metrics: dict[str, Any]) -> None:

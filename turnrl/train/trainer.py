@@ -122,9 +122,7 @@ class Trainer:
         self.master = master_weights(models, cfg.trainer.param_dtype, self.amp, self.settings.exact, frozen)
         self.params = self.master.masters if self.master else [p for m in models for p in trainable_parameters(m)]
         total = cfg.trainer.steps * cfg.trainer.epochs_per_step * cfg.trainer.mini_batches
-        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.trainer.optim, total)
-        if self.master:
-            self.master.attach(self.optimizer)
+        self.optimizer, self.scheduler = build_optimizer(self.params, cfg.trainer.optim, total, self.master)
         self.start_step = 0
         if cfg.trainer.resume:
             self._resume(cfg.trainer.resume)
