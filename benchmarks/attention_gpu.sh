@@ -5,9 +5,11 @@
 #   bash benchmarks/attention_gpu.sh        (results in $OUT, default runs/attention_gpu)
 # With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
 # PARTS (default: gpu_tests probe train), ARMS (default: flash triton best; an arm may name the weights too,
-# kernel:param_dtype, e.g. flash:float32 triton:bfloat16), REPEATS (2), PROFILE=1 (bench train --profile on the
-# last pair), FORWARD / KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ONLY_ON (e.g.
-# H200). The logs end up in $OUT/logs.tgz (the device tool brings back 8 files).
+# kernel:param_dtype, e.g. flash:float32 triton:bfloat16; without one, trainer.param_dtype's default, auto: bf16
+# weights with fp32 masters on CUDA), REPEATS (2), PROFILE=1 (bench train --profile on the last pass), FORWARD /
+# KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ONLY_ON (e.g. H200), CLOCKS=1 (SM
+# clock, power and throttle reasons every 250 ms in $OUT/clocks.csv). The logs and the earlier passes' JSON end
+# up in $OUT/logs.tgz (the device tool brings back 8 files).
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TURNRL_HOME=$PWD/.devcache HF_HUB_OFFLINE=1
 OUT=${OUT:-runs/attention_gpu}; mkdir -p "$OUT"
@@ -25,12 +27,12 @@ if [[ -n "${CLOCKS:-}" ]]; then
     CLOCKS_PID=$!
 fi
 run_part gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_flash_kernel.py tests/bench/test_bench_profile.py \
-    tests/train/test_master.py
+    tests/train/test_master.py tests/train/test_packing.py tests/train/test_fused_head.py tests/train/test_batching.py
 tail -1 "$OUT/gpu_tests.log" 2>/dev/null
 run_part probe python3 benchmarks/attention_backends_probe.py --variants varlen_fa2,triton \
-    --triton-forward "${FORWARD:-64:64:4:3,64:64:4:4,64:64:8:3,128:64:4:3,64:32:4:3}" \
-    --triton-keys "${KEYS:-64:16:4:3,64:16:4:2,64:16:4:4,64:32:4:2,32:16:4:3}" \
-    --triton-queries "${QUERIES:-64:32:4:3,64:32:4:2,64:16:4:3,64:64:4:3}" --json "$OUT/probe.json"
+    --triton-forward "${FORWARD:-64:64:4:4,128:64:8:3,64:32:4:4}" \
+    --triton-keys "${KEYS:-128:32:4:5,128:32:8:3,128:64:8:3,128:16:8:3,64:32:4:3,64:16:8:3}" \
+    --triton-queries "${QUERIES:-128:32:4:5,128:32:8:3,128:64:8:3,64:64:4:3,64:16:4:3}" --json "$OUT/probe.json"
 grep -E "^(varlen|triton)" "$OUT/probe.log" 2>/dev/null | cut -c1-220
 TRAIN="--model qwen2.5-0.5b-shape --batch 64 --seq-len 1024 --lora-rank 0 --peak-tflops 790 trainer.compile=true \
 trainer.micro_batch_tokens=65536 trainer.packing=true"
@@ -54,4 +56,6 @@ s['update_s'], 'mfu_executed', s['update_mfu_executed'], 'host_syncs', r.get('ho
     done
 done
 [[ -n "${CLOCKS_PID:-}" ]] && kill "$CLOCKS_PID"
-(cd "$OUT" && ls *.log > /dev/null 2>&1 && tar czf logs.tgz *.log && rm -f *.log)
+# the device tool brings back 8 files: the logs and the earlier repeats' JSON travel in one archive
+(cd "$OUT" && early=$(ls train_*.json 2>/dev/null | grep -v "_${REPEATS}.json$" || true) && \
+    ls *.log > /dev/null 2>&1 && tar czf logs.tgz *.log $early && rm -f *.log $early)

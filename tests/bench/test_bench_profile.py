@@ -12,6 +12,7 @@ from turnrl.bench.profile import (
     _kernels,
     breakdown,
     category,
+    host_edges,
     host_syncs,
     idle_gaps,
     launch_delays,
@@ -102,6 +103,19 @@ def test_launch_delays_tell_a_starved_device_from_a_queued_one():
     assert launch_delays([]) == {"kernels": 0}
 
 
+def test_host_edges_are_the_device_idle_time_at_the_ends_of_a_call():
+    spans = [(5000.0, 6000.0, "gemm"), (1200.0, 2000.0, "copy"), (2500.0, 4000.0, "gemm")]
+    host = [(100.0, 700.0, "aten::randperm"), (800.0, 1000.0, "aten::to"), (1050.0, 1150.0, "aten::to"),
+            (1100.0, 3000.0, "aten::embedding"),   # ends after the first kernel starts: not before it
+            (50.0, 90.0, "aten::zeros")]           # starts before the call
+    out = host_edges((100.0, 6500.0), spans, host, top=2)
+    assert out["to_first_kernel_ms"] == pytest.approx(1.1)
+    assert out["after_last_kernel_ms"] == pytest.approx(0.5)
+    assert out["before_first_kernel"] == [{"name": "aten::randperm", "ms": pytest.approx(0.6)},
+                                          {"name": "aten::to", "ms": pytest.approx(0.3)}]
+    assert host_edges((0.0, 1.0), [], host)["to_first_kernel_ms"] is None
+
+
 def test_host_syncs_is_empty_off_cuda():
     assert host_syncs(lambda: torch.ones(2).sum().item(), torch.device("cpu")) == []
 
@@ -125,3 +139,6 @@ def test_a_cuda_profile_matches_each_kernel_to_its_launch():
     report = profile_call(lambda: [x @ x for _ in range(20)], torch.device("cuda"))
     delay = report["launch_delay"]
     assert delay["kernels"] >= 20 and 0.0 <= delay["p10_ms"] <= delay["median_ms"] <= delay["p90_ms"]
+    edges = report["edges"]   # the annotation's range lines up with the kernels on one clock
+    assert 0.0 <= edges["to_first_kernel_ms"] < report["wall_s"] * 1e3
+    assert 0.0 <= edges["after_last_kernel_ms"] < report["wall_s"] * 1e3

@@ -1,8 +1,11 @@
 """Token-budget micro-batches and seeded mini-batches."""
 
+import time
+
+import pytest
 import torch
 
-from turnrl.train.batching import Rows, micro_batches, mini_batches, to_device
+from turnrl.train.batching import SMALL_COPY_BYTES, Rows, micro_batches, mini_batches, to_device
 
 
 def test_micro_batches_respect_the_budget_and_cover_every_row():
@@ -95,3 +98,18 @@ def test_host_counts_are_counted_again_when_a_mask_is_set_anew():
     rows.loss_mask = torch.tensor([[0.0, 1.0, 1.0]])
     assert rows.host().tokens.tolist() == [2.0]
     assert rows.select(torch.tensor([0])).host().tokens.tolist() == [2.0]   # a slice counts its own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("size", [64, 4 * SMALL_COPY_BYTES])   # from pageable memory, through pinned memory
+def test_to_device_does_not_wait_for_the_gpus_queue(size):
+    cuda = torch.device("cuda")
+    host = torch.arange(size // 8, dtype=torch.long)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)          # ~0.2 s of queued GPU work
+    start = time.perf_counter()
+    out = to_device(host, cuda)
+    waited = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert waited < 0.05 and torch.equal(out.cpu(), host)

@@ -107,3 +107,29 @@ def test_the_softmax_is_kept_only_for_a_backward_and_within_the_budget(monkeypat
     monkeypatch.setitem(fused_head.KEEP_SOFTMAX_BYTES, "cpu", 6 * 30 * 4 - 1)
     linear_logprobs(hidden, weight, labels)
     assert kept == [False, True, False]
+
+
+def test_add_weight_grad_sums_the_chunks_products_in_float32():
+    torch.manual_seed(3)
+    chunks = [(torch.randn(5, 30, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)) for _ in range(3)]
+    acc = None
+    for dlogits, h in chunks:
+        acc = fused_head.add_weight_grad(acc, dlogits, h)
+    want = sum(d.T @ h for d, h in chunks)
+    assert acc.dtype == torch.float32 and torch.allclose(acc.double(), want, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_add_weight_grad_on_cuda_keeps_the_bf16_products_in_float32():
+    torch.manual_seed(4)
+    chunks = [((torch.randn(256, 4096, device="cuda") * 1e-3).bfloat16(),
+               torch.randn(256, 896, device="cuda").bfloat16()) for _ in range(3)]
+    acc = None
+    for dlogits, h in chunks:
+        acc = fused_head.add_weight_grad(acc, dlogits, h)
+    want = sum(d.T.double() @ h.double() for d, h in chunks)
+    assert acc.dtype == torch.float32
+    # float32 sums of exact bf16 products: errors near float32's rounding, where a bf16 product per chunk (the
+    # old path) would be off by about 2^-9 of its largest entries
+    assert (acc.double() - want).abs().max().item() < 1e-5 * want.abs().max().item()

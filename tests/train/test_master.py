@@ -131,15 +131,20 @@ def test_master_state_round_trips_exactly_and_an_fp32_checkpoint_warns(base):
     assert all(torch.equal(m, w.float()) for m, w in zip(second.masters, b.parameters()))
 
 
-def test_param_dtype_bf16_only_when_asked_and_refused_where_it_cannot_hold():
+def test_param_dtype_bf16_where_asked_or_auto_on_cuda_and_refused_where_it_cannot_hold():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for asked in ("auto", "float32"):
-        assert resolve_param_dtype(asked, BF16) == torch.float32   # the local trainer's auto keeps fp32 weights
+        assert resolve_param_dtype(asked, BF16) == torch.float32
+        assert resolve_param_dtype(asked, BF16, device=cpu) == torch.float32   # CPUs keep fp32 weights
+    assert resolve_param_dtype("auto", BF16, device=cuda) == BF16              # GPUs: bf16 + fp32 masters
+    assert resolve_param_dtype("auto", None, device=cuda) == torch.float32     # fp32 compute keeps fp32 weights
+    assert resolve_param_dtype("float32", BF16, device=cuda) == torch.float32
     assert resolve_param_dtype("bfloat16", BF16) == BF16
     with pytest.raises(ValueError, match="trainer.dtype=bfloat16"):
         resolve_param_dtype("bfloat16", None)
     with pytest.raises(ValueError, match="engine.exact"):
         resolve_param_dtype("bfloat16", BF16, exact=torch.float32)
-    assert resolve_param_dtype("auto", BF16, exact=torch.float32) == torch.float32
+    assert resolve_param_dtype("auto", BF16, exact=torch.float32, device=cuda) == torch.float32
     assert master_weights([torch.nn.Linear(2, 2)], "auto", BF16) is None
 
 

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -45,6 +46,38 @@ def test_pack_lays_rows_end_to_end_with_a_padding_segment():
     assert bool((flat[0, 10:] == -1).all())
     back = p.scatter(flat, (3, 5))
     assert back.tolist() == [[0, 2, 3, 0, 0], [0, 7, 8, 9, 10], [0, 12, 0, 0, 0]]   # first columns are 0
+
+
+def _reference_pack(lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    rows = [i for i, n in enumerate(lengths) for _ in range(n)]
+    cols = [c for n in lengths for c in range(n)]
+    return rows, cols, [t for t, c in enumerate(cols) if c > 0]
+
+
+@pytest.mark.parametrize("lengths", [[3, 5, 2], [0, 4, 0, 1, 7], [1, 1, 1], [0, 0], [PAD_TO, 2 * PAD_TO + 3]])
+def test_pack_indices_match_a_token_by_token_reference(lengths):
+    p = pack(torch.tensor(lengths), CPU)
+    rows, cols, kept = _reference_pack(lengths)
+    assert (p.rows.tolist(), p.cols.tolist(), p.kept.tolist()) == (rows, cols, kept)
+    n = sum(lengths)
+    bounds = [0, *itertools.accumulate(x for x in lengths if x)]
+    assert p.cu_seqlens.tolist() == bounds + ([p.length] if p.length > n else [])
+    assert p.max_length == max(b - a for a, b in zip(p.cu_seqlens.tolist(), p.cu_seqlens.tolist()[1:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pack_on_cuda_builds_the_same_indices_without_a_device_sync():
+    lengths = torch.tensor([700, 0, 513, 1024, 9])
+    host = pack(lengths, CPU)
+    torch.cuda.set_sync_debug_mode("error")   # a sync raises
+    try:
+        p = pack(lengths, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("rows", "cols", "kept", "cu_seqlens"):
+        assert getattr(p, name).device.type == "cuda" and getattr(p, name).tolist() == getattr(host, name).tolist()
+    assert (p.max_length, p.length) == (host.max_length, host.length)
 
 
 def test_an_exact_multiple_needs_no_padding_segment():
@@ -124,5 +157,23 @@ def test_the_packed_attention_kernel_is_chosen_and_checked(models, rows):
     a = forward_logprobs(models[1], rows.input_ids, rows.attention_mask, rows.position_ids, packed=packed)[0]
     b = forward_logprobs(triton, rows.input_ids, rows.attention_mask, rows.position_ids, packed=packed)[0]
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="not one of flash, triton"):
+    with pytest.raises(ValueError, match="not one of auto, flash, triton"):
         use_packed_attention(copy.deepcopy(models[0]), "fa3")
+
+
+def test_auto_packed_attention_takes_triton_on_cuda_where_the_head_size_fits(monkeypatch):
+    from types import SimpleNamespace
+
+    from turnrl.train import flash_kernel, packing
+
+    config = SimpleNamespace(num_attention_heads=14, hidden_size=896, head_dim=None)   # head size 64
+    assert packing.resolve_kernel("flash", config) == "flash" and packing.resolve_kernel("triton", config) == "triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert packing.resolve_kernel("auto", config) == "flash"                 # no CUDA: the SDPA path either way
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flash_kernel, "available", lambda device: True)
+    assert packing.resolve_kernel("auto", config) == "triton"
+    assert packing.resolve_kernel("auto", SimpleNamespace(num_attention_heads=32, hidden_size=2560,
+                                                          head_dim=80)) == "flash"   # 80 is no power of two
+    monkeypatch.setattr(flash_kernel, "available", lambda device: False)
+    assert packing.resolve_kernel("auto", config) == "flash"                 # no Triton

@@ -9,6 +9,7 @@ nested ops), so the same table is useful there too.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import warnings
@@ -115,6 +116,44 @@ def launch_delays(pairs: Iterable[tuple[float, float]]) -> dict[str, Any]:
             "starved": sum(d < 50.0 for d in delays) / len(delays)}
 
 
+CALL = "turnrl.profiled_call"   # the annotation around the profiled call: its range on the profiler's clock
+
+
+def host_edges(call: tuple[float, float], spans: Iterable[tuple[float, float, str]],
+               host_ops: Iterable[tuple[float, float, str]], top: int = 8) -> dict[str, Any]:
+    """The device's idle time at the ends of a call (microseconds in, milliseconds out): from the call's start
+    to its first kernel (the host preparing the work and launching the first kernel), and from its last
+    kernel's end to the call's end (reading the results back, returning). `host_ops` (start, end, name) are
+    the host's ops; those that end before the first kernel starts are summed by name, the longest `top` kept."""
+    spans = sorted(spans)
+    if not spans:
+        return {"to_first_kernel_ms": None, "after_last_kernel_ms": None, "before_first_kernel": []}
+    first = spans[0][0]
+    last = max(end for _, end, _ in spans)
+    before: dict[str, float] = {}
+    for start, end, name in host_ops:
+        if start >= call[0] and end <= first:
+            before[name] = before.get(name, 0.0) + (end - start)
+    ranked = sorted(before.items(), key=lambda kv: -kv[1])[:top]
+    return {"to_first_kernel_ms": max(0.0, first - call[0]) / 1e3,
+            "after_last_kernel_ms": max(0.0, call[1] - last) / 1e3,
+            "before_first_kernel": [{"name": name[:100], "ms": us / 1e3} for name, us in ranked]}
+
+
+def _call_range(prof: Any) -> tuple[float, float] | None:
+    for e in prof.events():
+        if e.name == CALL and getattr(e, "device_type", None) == DeviceType.CPU:
+            return e.time_range.start, e.time_range.end
+    return None
+
+
+def _host_ops(prof: Any) -> list[tuple[float, float, str]]:
+    """The host's outermost ops inside the call (aten calls, CUDA runtime calls; nested ones are inside them)."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if getattr(e, "device_type", None) == DeviceType.CPU and e.name != CALL
+            and (e.cpu_parent is None or e.cpu_parent.name == CALL)]
+
+
 def _launch_pairs(prof: Any) -> list[tuple[float, float]]:
     """(launch start, kernel start) of each device event, matched by CUPTI correlation id to the runtime call
     (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...) on the host."""
@@ -132,20 +171,25 @@ def _device_spans(prof: Any) -> list[tuple[float, float, str]]:
 
 def profile_call(fn: Callable[[], Any], device: torch.device, top: int = 25) -> dict[str, Any]:
     """Run `fn` once under the profiler (after the caller's warm-up) and return `breakdown` of its kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sync()
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        fn()
-        sync()
+        with record_function(CALL) if device.type == "cuda" else contextlib.nullcontext():
+            fn()
+            sync()
         wall = time.perf_counter() - start
     report = breakdown(_kernels(prof, device), wall, top)
     if device.type == "cuda":
-        report["idle"] = idle_gaps(_device_spans(prof))
+        spans = _device_spans(prof)
+        report["idle"] = idle_gaps(spans)
         report["launch_delay"] = launch_delays(_launch_pairs(prof))
+        call = _call_range(prof)
+        if call is not None:
+            report["edges"] = host_edges(call, spans, _host_ops(prof))
     return report
 
 
@@ -183,4 +227,9 @@ def format_breakdown(report: dict[str, Any], title: str) -> str:
         lines.append(f"  device idle {idle['idle_s'] * 1e3:.1f} ms between {idle['launches']} launches over "
                      f"{idle['span_s'] * 1e3:.1f} ms; longest gaps:")
         lines += [f"    {g['ms']:8.2f} ms after {g['before'][:50]} before {g['after'][:50]}" for g in idle["gaps"][:5]]
+    edges = report.get("edges")
+    if edges and edges["to_first_kernel_ms"] is not None:
+        lines.append(f"  device idle at the ends: {edges['to_first_kernel_ms']:.2f} ms from the call to its first "
+                     f"kernel, {edges['after_last_kernel_ms']:.2f} ms after its last; host ops before the first:")
+        lines += [f"    {op['ms']:8.2f} ms {op['name'][:90]}" for op in edges["before_first_kernel"][:5]]
     return "\n".join(lines)

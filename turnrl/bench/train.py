@@ -195,8 +195,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     with model_directory(cfg.model.name) as model_dir:
         model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                             cfg.model.gradient_checkpointing)
-        if settings.packing:
-            use_packed_attention(model, cfg.trainer.packed_attention)
+        kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
             compile_layers(model)
     setup_s = time.perf_counter() - t0
@@ -271,8 +270,8 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
                        "weights": "bfloat16, fp32 masters" if master else "float32",
                        "gradient_checkpointing": cfg.model.gradient_checkpointing, "seed": seed,
                        "algo": to_dict(cfg.algo), "trainer": to_dict(cfg.trainer),
-                       **({"triton_attention": flash_kernel.blocking()}
-                          if settings.packing and cfg.trainer.packed_attention == "triton" else {})},
+                       "packed_attention": kernel,
+                       **({"triton_attention": flash_kernel.blocking()} if kernel == "triton" else {})},
             "machine": machine_info()}
 
 

@@ -181,10 +181,10 @@ def param_dtype(value: Any, ctx: Ctx) -> Out:
     dtype = one_of(value, DTYPES, "param_dtype")
     if dtype == "float16":
         raise Refused("float16 weights are not supported: use bf16 or fp32")
-    if dtype == "bfloat16":   # on an AVX2 CPU bf16 would run 60x slower, and the local trainer keeps fp32 weights
+    if dtype == "bfloat16":   # on an AVX2 CPU bf16 would run 60x slower: auto keeps fp32 weights off GPUs
         return Out({"trainer.param_dtype": "auto"},
-                   "the Ray ranks' FSDP2 computes in bf16 from fp32 masters as verl's does; the local trainer keeps "
-                   "fp32 weights under autocast (trainer.param_dtype=bfloat16 takes verl's recipe there too)")
+                   "on GPUs bf16 weights from fp32 masters as verl's FSDP computes (the local trainer and the Ray "
+                   "ranks' FSDP2); fp32 weights under autocast on CPUs")
     return Out({"trainer.param_dtype": dtype}, "fp32 weights under autocast, on the ranks too")
 
 

@@ -207,7 +207,7 @@ RULES: list[Rule] = [
     Rule(f"{AR}.actor.fsdp_config.model_dtype", "trainer.dtype",
          "bf16: auto (bf16 autocast where the device multiplies bf16 natively, else fp32); fp32", train.model_dtype),
     Rule(f"{AR}.actor.fsdp_config.mixed_precision.param_dtype", "trainer.param_dtype",
-         "bf16: auto (bf16 weights on GPU ranks, as verl; fp32 weights in the local trainer); fp32", train.param_dtype),
+         "bf16: auto (bf16 weights with fp32 masters on GPUs, as verl; fp32 on CPUs); fp32", train.param_dtype),
     Rule(f"{AR}.actor.fsdp_config.**", "", FSDP),
     Rule(f"{AR}.actor.ulysses_sequence_parallel_size", "", SEQ_PARALLEL),
     Rule(f"{AR}.actor.checkpoint.**", "", "turnrl checkpoints hold model, optimizer, scheduler, RNG and data position"),

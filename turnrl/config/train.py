@@ -116,7 +116,7 @@ class TrainerConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # the weights the models compute with: bfloat16
     #                                      = bf16 weights + fp32 master weights (turnrl/train/master.py); auto =
-    #                                      float32 in the local trainer, bf16 on GPU Ray ranks (FSDP2's param_dtype)
+    #                                      bfloat16 on GPUs under bf16 autocast (local and Ray ranks), else float32
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs_per_step: int = 1             # PPO epochs over each rollout batch
     mini_batches: int = 1                # optimizer steps per epoch
@@ -125,8 +125,9 @@ class TrainerConfig:
     #                                      (auto = on; off: the model's own logits path)
     compile: bool = False                # torch.compile each decoder layer (GPU)
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
-    packed_attention: Literal["flash", "triton"] = "flash"  # packed rows' attention on GPUs: torch's varlen
-    #                                      FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py)
+    packed_attention: Literal["auto", "flash", "triton"] = "auto"  # packed rows' attention on GPUs: torch's
+    #                                      varlen FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py);
+    #                                      auto = triton where its kernels take the model's head size, else flash
     shared_prefix: bool = True           # a group's shared prompt runs once per micro-batch (not with packing or
     #                                      gradient checkpointing; exact: turnrl/train/shared_prefix.py)
     retain_host_memory: bool = True      # CPU training: malloc keeps freed memory (no page faults per micro-batch)
@@ -171,7 +172,7 @@ class TrainerConfig:
         if self.param_dtype == "bfloat16" and self.dtype == "float32":
             raise ConfigError("'param_dtype: bfloat16' computes in bf16 under bf16 autocast: set 'dtype' to bfloat16 "
                               "or auto, or 'param_dtype' to float32.")
-        if self.packed_attention != "flash" and not self.packing:
+        if self.packed_attention == "triton" and not self.packing:
             raise ConfigError(f"'packed_attention: {self.packed_attention}' applies to packed micro-batches only: "
                               "set 'packing: true' or remove 'packed_attention'.")
         if self.packing and self.placement != "local":

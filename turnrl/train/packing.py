@@ -35,7 +35,7 @@ from turnrl.train import flash_kernel
 from turnrl.train.batching import to_device
 
 ATTENTION = "turnrl_packed"   # the name under transformers' AttentionInterface (+ "_triton" for those kernels)
-KERNELS = ("flash", "triton")  # trainer.packed_attention
+KERNELS = ("auto", "flash", "triton")  # trainer.packed_attention
 PAD_TO = 128                  # packed length granularity: GEMM-friendly, few distinct shapes
 
 
@@ -68,22 +68,29 @@ class Packed:
 
 
 def pack(lengths: torch.Tensor, device: torch.device) -> Packed:
-    """The packing of rows of `lengths` [B], real tokens first in each row. Built on the CPU and copied
-    without a device sync, so the micro-batch loop never waits for the GPU."""
+    """The packing of rows of `lengths` [B], real tokens first in each row. The sizes are known on the host, so
+    the index tensors are built on `device` from one small copy (the lengths, the row starts, the segment
+    bounds) without a device sync: the micro-batch loop never waits for the GPU, and the host spends
+    microseconds here, not the milliseconds of building and pinning token-sized tensors itself."""
     lengths = lengths.to(torch.long).cpu()
     n = int(lengths.sum())
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    live = lengths[lengths > 0]
     starts = torch.cumsum(lengths, 0) - lengths
-    cols = torch.arange(n) - torch.repeat_interleave(starts, lengths)
-    kept = torch.nonzero(cols > 0).squeeze(1)
     length = -(-max(n, 1) // PAD_TO) * PAD_TO
-    bounds = [0, *torch.cumsum(lengths[lengths > 0], 0).tolist()]
+    bounds = [0, *torch.cumsum(live, 0).tolist()]
     if length > n:
         bounds.append(length)
-    segments = torch.tensor(bounds, dtype=torch.int32)
-    max_length = int((segments[1:] - segments[:-1]).max())
-    return Packed(to_device(rows, device), to_device(cols, device), to_device(kept, device),
-                  to_device(segments, device), max_length, length)
+    max_length = max(b - a for a, b in zip(bounds, bounds[1:])) if len(bounds) > 1 else 0
+    b, r = len(lengths), len(live)
+    small = to_device(torch.cat([lengths, starts, live - 1, torch.tensor(bounds, dtype=torch.long)]), device)
+    lengths_d, starts_d, rest_d, bounds_d = small.split([b, b, r, len(bounds)])
+    # token t of row i at column c: rows[t] = i, cols[t] = t - starts[i]; the kept tokens (c > 0) of the j-th
+    # non-empty row are its packed positions after the first: the k-th kept token sits at k + (j + 1)
+    rows = torch.repeat_interleave(torch.arange(b, device=device), lengths_d, output_size=n)
+    cols = torch.arange(n, device=device) - torch.repeat_interleave(starts_d, lengths_d, output_size=n)
+    kept = torch.arange(n - r, device=device) + torch.repeat_interleave(
+        torch.arange(1, r + 1, device=device), rest_d, output_size=n - r)
+    return Packed(rows, cols, kept, bounds_d.to(torch.int32), max_length, length)
 
 
 def packed_tokens(lengths: torch.Tensor) -> int:
@@ -91,14 +98,29 @@ def packed_tokens(lengths: torch.Tensor) -> int:
     return -(-max(int(lengths.sum()), 1) // PAD_TO) * PAD_TO
 
 
-def use_packed_attention(model: Any, kernel: str = "flash") -> None:
-    """Switch `model` (plain or peft) to `packed_attention` with `kernel` on CUDA ("flash": torch's varlen FA2,
-    "triton": `flash_kernel`); its forwards must then pass `Packed.attention_kwargs`."""
-    from transformers import AttentionInterface
-
+def resolve_kernel(kernel: str, config: Any) -> str:
+    """`auto`: "triton" where CUDA with Triton runs and `flash_kernel` takes the model's head size (a power of
+    two in [16, 256]), else "flash" (the update ran 5-6% faster with triton and bf16 weights than with varlen
+    FA2 and fp32 weights in four H100 calls, benchmarks/results/h100_train_arms_*_2026-12-07.json)."""
     if kernel not in KERNELS:
         raise ValueError(f"trainer.packed_attention: {kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel != "auto":
+        return kernel
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    fits = 16 <= dim <= 256 and not dim & (dim - 1)
+    return "triton" if fits and torch.cuda.is_available() and flash_kernel.available(torch.device("cuda")) \
+        else "flash"
+
+
+def use_packed_attention(model: Any, kernel: str = "auto") -> str:
+    """Switch `model` (plain or peft) to `packed_attention` with `kernel` on CUDA ("flash": torch's varlen FA2,
+    "triton": `flash_kernel`, "auto": `resolve_kernel`); its forwards must then pass `Packed.attention_kwargs`.
+    Returns the kernel chosen."""
+    from transformers import AttentionInterface
+
     base = model.get_base_model() if hasattr(model, "peft_config") else model
+    kernel = resolve_kernel(kernel, base.config)
     if "sliding_attention" in (getattr(base.config, "layer_types", None) or []):
         raise ValueError("trainer.packing: sliding-window attention layers are not supported; set "
                          "trainer.packing=false")
@@ -113,6 +135,7 @@ def use_packed_attention(model: Any, kernel: str = "flash") -> None:
     if base.config._attn_implementation != name:
         raise ValueError(f"trainer.packing: {type(base).__name__} cannot switch its attention implementation; "
                          "set trainer.packing=false")
+    return kernel
 
 
 def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -202,6 +202,9 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
             grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
             optimizer.step()
             scheduler.step()
+            # freed now, while the device works through the queued step (the next update's start then finds
+            # nothing to clear, and the gradients do not sit in memory through the next rollout)
+            optimizer.zero_grad(set_to_none=True)
             _add(stats, "grad_norm", grad_norm)
     return means(stats)
 
