@@ -97,8 +97,8 @@ SMALL_COPY_BYTES = 1 << 16   # up to this size a copy to the GPU goes from pagea
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on `device`, without waiting for the GPU's queue (a plain copy synchronizes with it, so the
     CPU could not run ahead into the next micro-batch). A small tensor goes from pageable memory as an
-    asynchronous copy, which the driver stages at once; a larger one through pinned memory first (pinning
-    cost about 1.2 ms a call in H100 profiles of the update, more than the copy of a few indices is worth)."""
+    asynchronous copy, which the driver stages at once; a larger one through pinned memory first (H100 profiles
+    of the update: pinning cost 0.5-1.3 ms a call whatever the size, more than the copy of a few indices)."""
     if device.type != "cuda" or index.device.type != "cpu":
         return index.to(device)
     if index.numel() * index.element_size() <= SMALL_COPY_BYTES:
