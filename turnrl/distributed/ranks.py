@@ -33,6 +33,7 @@ from turnrl.config.schema import OptimConfig
 from turnrl.distributed.sync import TensorMeta, WeightPayload, cast_all, ipc_handles, open_group, send_buckets
 from turnrl.train.batching import Rows, to_device
 from turnrl.train.host_memory import retain_for_training
+from turnrl.train.master import resolve_param_dtype
 from turnrl.train.update import Stats, UpdateSettings, means, micro_step
 
 Micro = list[tuple[torch.Tensor, int] | None]
@@ -88,9 +89,8 @@ def rank_param_dtype(param_dtype: str, amp: torch.dtype | None, device: torch.de
     if param_dtype == "bfloat16" and device.type != "cuda":
         raise ValueError("trainer.param_dtype=bfloat16 runs on GPU ranks; the CPU ranks keep fp32 weights: set "
                          "trainer.param_dtype to auto or float32")
-    if param_dtype == "float32" or amp != torch.bfloat16 or device.type != "cuda":
-        return None
-    return torch.bfloat16
+    compute = resolve_param_dtype(param_dtype, amp, device=device)   # auto: the local trainer's rule
+    return None if compute == torch.float32 else compute
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -26,10 +26,10 @@ __all__ = ["MasterWeights", "master_weights", "resolve_param_dtype", "cast_weigh
 
 def resolve_param_dtype(param_dtype: str, amp: torch.dtype | None, exact: torch.dtype | None = None,
                         device: torch.device | None = None) -> torch.dtype:
-    """The dtype the local trainer's models compute with: bf16 for `bfloat16`, and for `auto` on a CUDA
-    `device` under bf16 autocast without `engine.exact` (the update ran 2-3% faster with bf16 weights on an
-    H100, either attention, and 5-6% with the Triton attention too; the Ray ranks' `auto` is FSDP2's bf16,
-    `turnrl.distributed.ranks.rank_param_dtype`); else fp32. Raises where `bfloat16` cannot hold."""
+    """The dtype the models compute with (the local trainer's, and the Ray ranks' FSDP2 param_dtype through
+    `turnrl.distributed.ranks.rank_param_dtype`): bf16 for `bfloat16`, and for `auto` on a CUDA `device` under
+    bf16 autocast without `engine.exact` (the update ran 2-3% faster with bf16 weights on an H100, either
+    attention, and 5-6% with the Triton attention too); else fp32. Raises where `bfloat16` cannot hold."""
     if param_dtype == "auto":
         cuda = device is not None and device.type == "cuda"
         return torch.bfloat16 if cuda and amp == torch.bfloat16 and exact is None else torch.float32
