@@ -12,6 +12,7 @@ heads: 14 query heads, 2 key/value heads, head size 64; 64 rows of 512-1024 toke
   flex           FlexAttention (compiled) over the packed row with a block mask of the rows
   triton         turnrl's Triton kernels (`turnrl/train/flash_kernel.py`, trainer.packed_attention: triton) at
                  the module's blocking, `triton_atomic_dq` with its ATOMIC_DQ (FA2's one-kernel backward),
+                 `triton_per_segment` with the grid segment after segment (SCHEDULE, the order before 2026-12-07),
                  and `triton_<kernel>_<blocking>` for each blocking in --triton-forward,
                  --triton-keys, --triton-queries (program block:step block:warps:stages), the others at default
 Each variant's output on the real tokens is compared with varlen_fa2's, and the triton variants' gradients
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the variants this many times in turn (entries of later rounds: name#round)")
     ap.add_argument("--triton-forward", default="", help="forward blockings to sweep, e.g. 128:64:4:3,128:128:8:3")
     ap.add_argument("--triton-keys", default="", help="dK/dV kernel blockings to sweep")
     ap.add_argument("--triton-queries", default="", help="dQ kernel blockings to sweep")
@@ -179,7 +182,8 @@ def main() -> None:
             return out[0].transpose(0, 1)[:n]
         return step
 
-    defaults = {name: getattr(flash_kernel, name) for name in ("FORWARD", "KEYS", "QUERIES", "ATOMIC_DQ")}
+    defaults = {name: getattr(flash_kernel, name) for name in ("FORWARD", "KEYS", "QUERIES", "ATOMIC_DQ",
+                                                                "SCHEDULE")}
 
     def triton_step(kernel: str | None, blocking: tuple[int, ...] | bool | None) -> Callable[[], torch.Tensor]:
         for name, value in defaults.items():
@@ -205,6 +209,7 @@ def main() -> None:
         "flex": flex,
         "triton": lambda: triton_step(None, None),
         "triton_atomic_dq": lambda: triton_step("ATOMIC_DQ", True),
+        "triton_per_segment": lambda: triton_step("SCHEDULE", "per_segment"),
     }
     for kernel, specs in (("forward", args.triton_forward), ("keys", args.triton_keys),
                           ("queries", args.triton_queries)):
@@ -218,7 +223,9 @@ def main() -> None:
     reference = None
     reference_grads = None
     original = getattr(varlen_mod, "_should_use_cudnn", None)
-    for name, make in variants.items():
+    rounds = [(name if r == 0 else f"{name}#{r + 1}", name, make) for r in range(args.rounds)
+              for name, make in variants.items()]
+    for label, name, make in rounds:
         if name == "varlen_cudnn" and original is not None:
             varlen_mod._should_use_cudnn = lambda index: True
         try:
@@ -233,7 +240,7 @@ def main() -> None:
                      "fwd_bwd_tflops": round(3.5 * fwd_flop / fb_ms / 1e9, 1)}
             if out.shape == reference.shape:
                 entry["max_abs_diff_vs_varlen_fa2"] = float((out - reference).abs().max())
-            if name == "varlen_fa2":
+            if name == "varlen_fa2" and reference_grads is None:
                 reference_grads = grads_of(step)
                 again = grads_of(step)
                 entry["grad_max_abs_diff_run_to_run"] = [float((a - b).abs().max()) for a, b in
@@ -251,8 +258,8 @@ def main() -> None:
                 varlen_mod._should_use_cudnn = original
             for key, value in defaults.items():
                 setattr(flash_kernel, key, value)
-        report["variants"][name] = entry
-        print(name, entry, flush=True)
+        report["variants"][label] = entry
+        print(label, entry, flush=True)
         q.grad = k.grad = v.grad = None
         torch.cuda.empty_cache()
     if args.json:

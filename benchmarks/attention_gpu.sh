@@ -6,8 +6,9 @@
 # With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
 # PARTS (default: gpu_tests probe train), ARMS (default: flash triton best; an arm may name the weights too,
 # kernel:param_dtype, e.g. flash:float32 triton:bfloat16; without one, trainer.param_dtype's default, auto: bf16
-# weights with fp32 masters on CUDA), REPEATS (2), PROFILE=1 (bench train --profile on the last pass), FORWARD /
-# KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ONLY_ON (e.g. H200), CLOCKS=1 (SM
+# weights with fp32 masters on CUDA; and overrides after '+', e.g. triton:bfloat16+trainer.fuse_linears=false), REPEATS (2), PROFILE=1 (bench train --profile on the last pass), FORWARD /
+# KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ROUNDS (the probe's variants timed
+# this many times in turn), ONLY_ON (e.g. H200), CLOCKS=1 (SM
 # clock, power and throttle reasons every 250 ms in $OUT/clocks.csv). The logs and the earlier passes' JSON end
 # up in $OUT/logs.tgz (the device tool brings back 8 files).
 set -u -o pipefail
@@ -32,15 +33,19 @@ tail -1 "$OUT/gpu_tests.log" 2>/dev/null
 run_part probe python3 benchmarks/attention_backends_probe.py --variants varlen_fa2,triton \
     --triton-forward "${FORWARD:-64:64:4:4,128:64:8:3,64:32:4:4}" \
     --triton-keys "${KEYS:-128:32:4:5,128:32:8:3,128:64:8:3,128:16:8:3,64:32:4:3,64:16:8:3}" \
-    --triton-queries "${QUERIES:-128:32:4:5,128:32:8:3,128:64:8:3,64:64:4:3,64:16:4:3}" --json "$OUT/probe.json"
+    --triton-queries "${QUERIES:-128:32:4:5,128:32:8:3,128:64:8:3,64:64:4:3,64:16:4:3}" --rounds "${ROUNDS:-1}" \
+    --json "$OUT/probe.json"
 grep -E "^(varlen|triton)" "$OUT/probe.log" 2>/dev/null | cut -c1-220
 TRAIN="--model qwen2.5-0.5b-shape --batch 64 --seq-len 1024 --lora-rank 0 --peak-tflops 790 trainer.compile=true \
 trainer.micro_batch_tokens=65536 trainer.packing=true"
 REPEATS=${REPEATS:-2}
 for i in $(seq 1 "$REPEATS"); do
     for arm in ${ARMS:-flash triton best}; do
-        kernel=${arm%%:*}; name=${arm/:/_}; weights=""
-        [[ $arm == *:* ]] && weights="trainer.param_dtype=${arm#*:}"
+        overrides=""; [[ $arm == *+* ]] && overrides=$(tr '+' ' ' <<< "${arm#*+}")
+        base=${arm%%+*}; kernel=${base%%:*}; weights=""
+        name=$(tr -c 'A-Za-z0-9_\n' '_' <<< "${arm/:/_}")
+        [[ $base == *:* ]] && weights="trainer.param_dtype=${base#*:}"
+        weights="$weights $overrides"
         extra=""; [[ -n "${PROFILE:-}" && $i == "$REPEATS" ]] && extra="--profile"
         if [[ $kernel == best ]]; then
             [[ -f "$OUT/probe.json" ]] || continue

@@ -79,8 +79,10 @@ def test_flops_count_real_tokens_and_attention():
     assert w["tokens"] == 16 and w["padded_tokens"] == 16 and w["padding_fraction"] == 0
     assert w["flops_6n"] == 6 * 1000 * 16
     assert w["flops_with_attention"] == w["flops_6n"] + 12 * 2 * 4 * (8 ** 2 + 8 ** 2)
-    # executed: body at every token, the fused head at policy tokens, causal attention (position i sees i keys)
-    causal = 6 * 2 * 4 * 2 * sum(range(8))
+    # executed: body at every token, the fused head at policy tokens, causal attention: position i sees i + 1
+    # keys; QK^T and PV cost 2 * width FLOPs a (query, key) pair each forward, the backward twice the forward
+    pairs = 2 * sum(range(1, 9))
+    causal = 3 * (2 + 2) * 4 * pairs * 2      # x layers
     assert w["flops_executed"] == 6 * 600 * 16 + 8 * 50 * 8 * w["policy_tokens"] + causal
     assert work(rows, 16, counts, fused_head=False)["flops_executed"] == 6 * 600 * 16 + 6 * 50 * 8 * 16 + causal
 

@@ -82,6 +82,38 @@ def test_atomic_dq_gives_the_same_gradients(interpreted, monkeypatch):
 
 
 @needs_triton
+def test_the_grid_order_changes_nothing_but_the_order(interpreted, monkeypatch):
+    """SCHEDULE 'across' (longest programs of every segment first) and 'per_segment': each program computes the
+    same thing, so the output and gradients are equal bit for bit."""
+    lengths = [3, 70, 129, 33]
+    q, k, v, grad, cu = case(lengths, 4, 2, 16, torch.float32, seed=6)
+    monkeypatch.setattr(flash_kernel, "KEYS", (32, 16, 4, 3))
+    results = {}
+    for schedule in ("across", "per_segment"):
+        monkeypatch.setattr(flash_kernel, "SCHEDULE", schedule)
+        results[schedule] = run(q, k, v, grad, cu, max(lengths), 0.25)
+        assert flash_kernel.blocking()["SCHEDULE"] == schedule
+    (out_a, grads_a), (out_b, grads_b) = results.values()
+    assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_grid_order_and_size_are_checked(monkeypatch):
+    """An unknown SCHEDULE, and more blocks (or rows) than CUDA's grid takes, fail with what to do."""
+    monkeypatch.setattr(flash_kernel, "SCHEDULE", "random")
+    with pytest.raises(ValueError, match="'across' or 'per_segment'"):
+        flash_kernel._grid(4, 2, 3)
+    monkeypatch.setattr(flash_kernel, "SCHEDULE", "across")
+    assert flash_kernel._grid(4, 2, 3) == ((3, 2, 4), True)
+    monkeypatch.setattr(flash_kernel, "_GRID_LIMIT", 3)
+    with pytest.raises(ValueError, match="row's 4 blocks .*packed_attention: flash"):
+        flash_kernel._grid(4, 2, 3)
+    monkeypatch.setattr(flash_kernel, "SCHEDULE", "per_segment")
+    assert flash_kernel._grid(2, 2, 3) == ((2, 2, 3), False)
+    with pytest.raises(ValueError, match="5 rows in one micro-batch .*micro_batch_tokens"):
+        flash_kernel._grid(2, 2, 5)
+
+
+@needs_triton
 def test_bf16_stays_within_its_rounding(interpreted):
     """bf16 inputs (dots widened by the interpreter): the output within bf16's rounding of the float64 result,
     and a padding segment (the packed row's tail) changes nothing in the rows before it."""

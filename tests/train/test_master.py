@@ -44,8 +44,9 @@ def test_float_weights_turn_bf16_with_exact_fp32_masters_and_buffers_and_ties_st
 
 
 def test_micro_batch_gradients_add_up_in_fp32_on_the_masters(base, rows):
-    """Each backward's bf16 gradient goes into the master's fp32 gradient and is freed: two micro-batches
-    give the fp32 sum of the two bf16 gradients a plain bf16 model computes."""
+    """The first backward's bf16 gradients become the masters' fp32 gradients when it ends (one multi-tensor
+    cast), the next one's add into them, and the bf16 ones are freed: two micro-batches give the fp32 sum of
+    the two bf16 gradients a plain bf16 model computes."""
     plain = copy.deepcopy(base)
     cast_weights(plain, BF16)
     model = copy.deepcopy(base)
@@ -63,9 +64,12 @@ def test_micro_batch_gradients_add_up_in_fp32_on_the_masters(base, rows):
         backward(plain, part)
         grads = [p.grad.float() for p in plain.parameters()]
         expected = grads if expected is None else [a + b for a, b in zip(expected, grads)]
-    for part in halves:
-        backward(model, part)
-    assert all(p.grad is None for p in model.parameters())   # the bf16 gradients are freed at once
+    backward(model, halves[0])
+    assert not master._held                                   # cast when the backward ended
+    for m, p in zip(master.masters, plain.parameters()):
+        assert m.grad.dtype == torch.float32 and m.grad.shape == p.shape
+    backward(model, halves[1])
+    assert all(p.grad is None for p in model.parameters())   # the bf16 gradients are freed
     for m, want in zip(master.masters, expected):
         assert m.grad.dtype == torch.float32
         torch.testing.assert_close(m.grad, want, rtol=0, atol=0)

@@ -19,8 +19,9 @@ FLOPs, per trained token (tokens = real, unpadded tokens; padding is reported, n
 - executed (what the kernels compute, the figure to lead with): the body's matmuls 6 * N_body per token
   (N_body: the parameters outside the embedding and LM head), the LM head where it runs (the fused head:
   policy tokens only, 8 * V * h each, its backward recomputing the logits; the logits path: every token,
-  6 * V * h), causal attention 6 * L * H * d_head * i for the token at position i (the causal half of
-  PaLM's count; the flash backward's recomputation of the scores is not counted).
+  6 * V * h), causal attention 12 * L * H * d_head * (i + 1) for the token at position i, which attends to
+  i + 1 keys (PaLM's count with the causal mask: QK^T and PV cost 2 d_head FLOPs a head and query-key pair
+  each, forward; the backward twice that; the flash backward's recomputation of the scores is not counted).
 MFU = flops/s / peak. The peak is `--peak-tflops`, or 790 TFLOP/s (bf16 dense matmul as measured) on an
 H200; elsewhere it is unknown and MFU is left out.
 
@@ -163,12 +164,19 @@ def work(rows: Rows, micro_batch_tokens: int, counts: dict[str, int], packing: b
     attention = 12.0 * counts["layers"] * counts["attention_width"] * float((lengths.double() ** 2).sum())
     policy = int(rows.loss_mask.sum())
     head = counts["vocab"] * counts["hidden"] * (8.0 * policy if fused_head else 6.0 * tokens)
-    causal = 6.0 * counts["layers"] * counts["attention_width"] * float((lengths.double() * (lengths.double() - 1)).sum() / 2)
+    pairs = float((lengths.double() * (lengths.double() + 1)).sum() / 2)     # (query, key) pairs under the mask
+    causal = 12.0 * counts["layers"] * counts["attention_width"] * pairs
     executed = 6.0 * counts["n_params_body"] * tokens + head + causal
     return {"tokens": tokens, "padded_tokens": padded, "padding_fraction": 1 - tokens / padded,
             "policy_tokens": policy, "flops_6n": six_n, "flops_with_attention": six_n + attention,
             "flops_executed": executed,
             "rows": len(lengths), "mean_length": tokens / len(lengths)}
+
+
+def _fused_groups() -> int:
+    """Linear groups `trainer.fuse_linears` fused in this process (0 without trainer.compile)."""
+    from turnrl.train.fuse_linears import FuseParallelLinears
+    return FuseParallelLinears.fused
 
 
 def _sync(device: torch.device) -> None:
@@ -197,7 +205,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
                             cfg.model.gradient_checkpointing)
         kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
-            compile_layers(model)
+            compile_layers(model, cfg.trainer.fuse_linears)
     setup_s = time.perf_counter() - t0
     master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)   # as the trainer
     params = master.masters if master else trainable_parameters(model)
@@ -251,8 +259,9 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
                      "logprob_pass_s": forward_s,
                      "loss": stats[-1].get("loss/policy"), "grad_norm": stats[-1].get("grad_norm"),
                      **_rates(per_update, update_s, forward_s, peak_tflops)})
-    profiled = {"update": profile_call(update, device), "logprob_pass": profile_call(forward, device)} \
-        if profile else None
+    # every kernel of any weight in the JSON (the console shows the top 12)
+    profiled = {"update": profile_call(update, device, top=100),
+                "logprob_pass": profile_call(forward, device, top=100)} if profile else None
     keys = [k for k in runs[0] if k not in ("repeat", "loadavg_1m", "loss", "grad_norm", "update_steps_s",
                                             "update_gc_pause_s")]
     summary = {k: spread([run[k] for run in runs]) for k in keys if runs[0][k] is not None}
@@ -260,9 +269,12 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
             "setup_s": setup_s, **({"profile": profiled} if profiled else {}),
             "host_syncs": syncs,   # where one update / logprob pass waits for the device (CUDA only)
+            "fused_linear_groups": _fused_groups(),   # groups trainer.fuse_linears fused (per compiled graph)
             "flops_note": "6N: N = all base-model parameters (tied embeddings once, LoRA adapters excluded); "
                           "with attention: + 12*L*H*d_head*S per token of a row of length S (PaLM, no causal "
-                          "discount); tokens are real (unpadded) tokens; with LoRA the work done is nearer 4N",
+                          "discount); executed: 6*N_body per token + the LM head where it runs + causal "
+                          "attention 12*L*H*d_head*(i+1) for the token at position i (the keys it attends); "
+                          "tokens are real (unpadded) tokens; with LoRA the work done is nearer 4N",
             "config": {"model": cfg.model.name, "lora": to_dict(lora), "batch": batch, "seq_len": seq_len,
                        "min_fraction": min_fraction, "prompt_fraction": prompt_fraction, "turns": turns,
                        "group": cfg.rollout.n, "steps": steps, "repeats": repeats, "warmup": warmup,

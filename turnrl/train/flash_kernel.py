@@ -7,8 +7,8 @@ same algorithm (Dao 2023) in Triton:
 
 - forward: one program per (query block, query head, segment), an online softmax (base 2) over the key
   blocks before the block's diagonal without a mask, then the diagonal blocks under the causal mask; it
-  writes the output and each query's log-sum-exp (base 2, float32). Query blocks run longest first, so the
-  short programs fill the tail of the grid;
+  writes the output and each query's log-sum-exp (base 2, float32). Query blocks run longest first, those of
+  every segment before any shorter block (`SCHEDULE`), so the short programs fill the tail of the grid;
 - backward: `delta = rowsum(dO * O)`; then one program per (key block, key/value head, segment) walks every
   query head of its group and every query block at or after its keys, recomputing P from the saved
   log-sum-exp, and sums dV and dK in registers; and one program per (query block, query head, segment)
@@ -42,6 +42,12 @@ FORWARD = (64, 64, 4, 3)      # queries x keys a step
 KEYS = (64, 16, 4, 3)         # backward dK/dV: keys a program x queries a step
 QUERIES = (64, 32, 4, 3)      # backward dQ: queries a program x keys a step
 ATOMIC_DQ = False             # True: the dK/dV kernel adds dQ with float32 atomics, no dQ kernel (FA2's way)
+# The grid's order (CUDA starts programs in grid order): "across" runs the longest programs of every segment
+# first (the first key blocks, the last query blocks), "per_segment" runs segment after segment, longest
+# first within each. A list-scheduling model of the bench's rows (64 rows of 512-1024 tokens, 2-3 programs an
+# SM) puts the dK/dV kernel's tail at 17-30% of its time per segment and 3-6% across.
+SCHEDULE = "across"
+_GRID_LIMIT = 65535           # CUDA's grid y and z
 
 
 @functools.cache
@@ -68,7 +74,21 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
 
 def blocking() -> dict[str, Any]:
     """The blocking the kernels run with now (for reports)."""
-    return {"FORWARD": FORWARD, "KEYS": KEYS, "QUERIES": QUERIES, "ATOMIC_DQ": ATOMIC_DQ}
+    return {"FORWARD": FORWARD, "KEYS": KEYS, "QUERIES": QUERIES, "ATOMIC_DQ": ATOMIC_DQ, "SCHEDULE": SCHEDULE}
+
+
+def _grid(blocks: int, heads: int, segments: int) -> tuple[tuple[int, int, int], bool]:
+    """(grid, across) for programs over (block, head, segment) in `SCHEDULE`'s order."""
+    if SCHEDULE not in ("across", "per_segment"):
+        raise ValueError(f"flash_kernel.SCHEDULE = {SCHEDULE!r}: use 'across' or 'per_segment'")
+    across = SCHEDULE == "across"
+    z = blocks if across else segments
+    if z > _GRID_LIMIT:
+        fix = ("a row this long needs trainer.packed_attention: flash" if across else
+               "use smaller micro-batches (trainer.micro_batch_tokens)")
+        what = f"the longest row's {blocks} blocks" if across else f"{segments} rows in one micro-batch"
+        raise ValueError(f"packed attention (triton): {what} exceed CUDA's grid limit of {_GRID_LIMIT}; {fix}")
+    return ((segments, heads, blocks) if across else (blocks, heads, segments)), across
 
 
 def _blocks(length: int, block: int) -> int:
@@ -95,9 +115,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     block_m, block_n, warps, stages = _blocking("FORWARD", FORWARD)
     if n and segments:
         n_blocks = _blocks(max_length, block_m)
-        _kernels()[0][(n_blocks, heads, segments)](
+        grid, across = _grid(n_blocks, heads, segments)
+        _kernels()[0][grid](
             q, k, v, out, lse, cu, n, n_blocks, scale * LOG2E, H=heads, KV=k.shape[1], D=dim, BLOCK_M=block_m,
-            BLOCK_N=block_n, WIDEN=not q.is_cuda, num_warps=warps, num_stages=stages)
+            BLOCK_N=block_n, WIDEN=not q.is_cuda, ACROSS=across, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -119,16 +140,18 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     widen, atomic = not q.is_cuda, ATOMIC_DQ
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
     block_n, block_m, warps, stages = _blocking("KEYS", KEYS)
-    keys_k[(_blocks(max_length, block_n), kv, segments)](
+    grid, across = _grid(_blocks(max_length, block_n), kv, segments)
+    keys_k[grid](
         q, k, v, do, lse, dl, dk, dv, dq32, cu, n, scale, scale * LOG2E, H=heads, KV=kv, D=dim, BLOCK_N=block_n,
-        BLOCK_M=block_m, WIDEN=widen, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, WIDEN=widen, ATOMIC_DQ=atomic, ACROSS=across, num_warps=warps, num_stages=stages)
     if atomic:
         return dq.copy_(dq32), dk, dv
     block_m, block_n, warps, stages = _blocking("QUERIES", QUERIES)
     n_blocks = _blocks(max_length, block_m)
-    queries_k[(n_blocks, heads, segments)](
+    grid, across = _grid(n_blocks, heads, segments)
+    queries_k[grid](
         q, k, v, do, lse, dl, dq, cu, n, n_blocks, scale, scale * LOG2E, H=heads, KV=kv, D=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, WIDEN=widen, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, WIDEN=widen, ACROSS=across, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 

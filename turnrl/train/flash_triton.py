@@ -10,12 +10,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _query_program(cu_ptr, n_blocks, BLOCK_M: tl.constexpr):
+def _query_program(cu_ptr, n_blocks, BLOCK_M: tl.constexpr, ACROSS: tl.constexpr):
     """A query program's (head, segment start, segment length, first query): the longest blocks first, so the
-    short programs fill the tail of the grid."""
-    seg = tl.program_id(2)
+    short programs fill the tail of the grid. ACROSS: grid (segment, head, block), the last query blocks of
+    every segment first; else (block, head, segment), longest first within each segment only."""
+    seg = tl.program_id(0) if ACROSS else tl.program_id(2)
+    block = tl.program_id(2) if ACROSS else tl.program_id(0)
     start = tl.load(cu_ptr + seg)
-    return tl.program_id(1), start, tl.load(cu_ptr + seg + 1) - start, (n_blocks - 1 - tl.program_id(0)) * BLOCK_M
+    return tl.program_id(1), start, tl.load(cu_ptr + seg + 1) - start, (n_blocks - 1 - block) * BLOCK_M
 
 
 @triton.jit
@@ -53,8 +55,8 @@ def _forward_block(q, acc, top, total, k_seg, v_seg, j, rows, d, scale2, L, KV_S
 @triton.jit
 def forward(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, N, n_blocks, scale2, H: tl.constexpr,
             KV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            WIDEN: tl.constexpr):
-    h, start, L, m0 = _query_program(cu_ptr, n_blocks, BLOCK_M)
+            WIDEN: tl.constexpr, ACROSS: tl.constexpr):
+    h, start, L, m0 = _query_program(cu_ptr, n_blocks, BLOCK_M, ACROSS)
     if m0 < L:
         kh = h // (H // KV)
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -120,10 +122,12 @@ def _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols
 @triton.jit
 def keys(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, cu_ptr, N, scale, scale2,
          H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-         WIDEN: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N                      # the first key blocks see the most queries: first
+         WIDEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACROSS: tl.constexpr):
+    # the first key blocks see the most queries: first (ACROSS: grid (segment, head, block), the first blocks of
+    # every segment before any second block; else (block, head, segment), first within each segment only)
+    n0 = (tl.program_id(2) if ACROSS else tl.program_id(0)) * BLOCK_N
     kh = tl.program_id(1)
-    seg = tl.program_id(2)
+    seg = tl.program_id(0) if ACROSS else tl.program_id(2)
     start = tl.load(cu_ptr + seg)
     L = tl.load(cu_ptr + seg + 1) - start
     if n0 < L:
@@ -169,8 +173,8 @@ def _queries_block(q, do, lse, dl, dq, k_seg, v_seg, j, rows, d, scale2, L, KV_S
 @triton.jit
 def queries(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_ptr, N, n_blocks, scale, scale2,
             H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            WIDEN: tl.constexpr):
-    h, start, L, m0 = _query_program(cu_ptr, n_blocks, BLOCK_M)
+            WIDEN: tl.constexpr, ACROSS: tl.constexpr):
+    h, start, L, m0 = _query_program(cu_ptr, n_blocks, BLOCK_M, ACROSS)
     if m0 < L:
         kh = h // (H // KV)
         rows = m0 + tl.arange(0, BLOCK_M)

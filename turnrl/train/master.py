@@ -5,8 +5,10 @@ the recipe the distributed ranks already run (FSDP2 `MixedPrecisionPolicy(param_
 reduce_dtype=fp32)`), here on one device:
 - every float parameter is cast to bf16; buffers (rotary frequencies) stay as they are;
 - every trainable one has an fp32 master, which the optimizer, gradient clipping and checkpoints see;
-- each backward's bf16 gradient is added into its master's fp32 gradient as soon as autograd has it (a
-  post-accumulate-grad hook) and then freed, so micro-batches sum in fp32;
+- each backward's bf16 gradients are summed into the masters' fp32 gradients (a post-accumulate-grad hook),
+  so micro-batches sum in fp32: a master without a gradient yet holds the bf16 one until the backward ends,
+  when all of them become fp32 in one multi-tensor copy (one kernel per ~dozens of tensors instead of one per
+  parameter: on an H100, 290 casts took 2.7 ms of a 0.32 s update); later micro-batches add into them;
 - after each optimizer step the masters are copied (rounded to nearest) into the bf16 weights.
 Against fp32 weights under autocast, the tensors between the matmuls (residual stream, norms, their
 gradients) move half the bytes and no weight is cast again per micro-batch; the matmuls were bf16 already.
@@ -83,8 +85,31 @@ class MasterWeights:
         self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.weights]
         for model in models:
             cast_weights(model, dtype)
-        self._hooks = [w.register_post_accumulate_grad_hook(_accumulate_into(m))
+        self._held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # (master, bf16 grad) of this backward
+        self._hooks = [w.register_post_accumulate_grad_hook(self._accumulate_into(m))
                        for w, m in zip(self.weights, self.masters)]
+
+    def _accumulate_into(self, master: torch.nn.Parameter):
+        def hook(weight: torch.Tensor) -> None:
+            grad = weight.grad
+            weight.grad = None
+            if master.grad is not None:
+                master.grad.add_(grad)
+                return
+            if not self._held:   # the first held gradient of this backward: cast them all when it ends
+                torch.autograd.Variable._execution_engine.queue_callback(self._cast_held)
+            self._held.append((master, grad))
+        return hook
+
+    def _cast_held(self) -> None:
+        """At the end of a backward: the held bf16 gradients become their masters' fp32 gradients."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        grads = [torch.empty_like(master) for master, _ in held]
+        torch._foreach_copy_(grads, [grad for _, grad in held])
+        for (master, _), grad in zip(held, grads):
+            master.grad = grad
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """After each `optimizer.step()` (over `masters`), the weights take the new masters."""
@@ -122,14 +147,3 @@ class MasterWeights:
                       stacklevel=2)
         with torch.no_grad():
             torch._foreach_copy_([m.data for m in self.masters], [w.data for w in self.weights])
-
-
-def _accumulate_into(master: torch.nn.Parameter):
-    def hook(weight: torch.Tensor) -> None:
-        grad = weight.grad
-        if master.grad is None:
-            master.grad = grad.float()
-        else:
-            master.grad.add_(grad)
-        weight.grad = None
-    return hook

@@ -259,13 +259,18 @@ def forward_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
 
 
-def compile_layers(model: Any) -> None:
+def compile_layers(model: Any, fuse_linears: bool = True) -> None:
     """torch.compile every decoder layer in place: identical layers share one compiled graph, so compiling
-    costs about one layer's worth; elementwise work (norms, rotary, SwiGLU, residuals) fuses into few kernels."""
+    costs about one layer's worth; elementwise work (norms, rotary, SwiGLU, residuals) fuses into few kernels.
+    `fuse_linears`: the linears that read one input run as one GEMM (`turnrl.train.fuse_linears`)."""
     base = model.get_base_model() if is_lora(model) else model
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError("trainer.compile: cannot find the model's decoder layers; set trainer.compile=false")
+    options = None
+    if fuse_linears:
+        from turnrl.train.fuse_linears import FuseParallelLinears
+        options = {"pre_grad_custom_pass": FuseParallelLinears()}
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=options)

@@ -113,7 +113,7 @@ class Trainer:
             use_packed_attention(self.policy, cfg.trainer.packed_attention)
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
         if cfg.trainer.compile:
-            compile_layers(self.policy)
+            compile_layers(self.policy, cfg.trainer.fuse_linears)
         self.critic = None
         if self.settings.advantage == "gae":  # PPO: a value model initialised from the policy's weights
             self.critic = load_critic(str(self.model_dir), self.device, lora.rank, lora.alpha, lora.target_modules)
