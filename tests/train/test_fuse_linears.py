@@ -97,35 +97,42 @@ def test_groups_that_are_not_plain_stay_apart():
     assert seen == [(6, 0)]
 
 
-def test_compiled_decoder_layers_fuse_and_match_the_unfused_compile(monkeypatch):
-    """A real (tiny) Qwen2 through inductor: per layer graph, q/k/v and gate/up fuse; logits and every gradient
-    agree with the same layers compiled without the pass (float32: to rounding)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_compiled_decoder_layers_fuse_and_match_the_unfused_compile(monkeypatch, lora_rank):
+    """A real (tiny) Qwen2 loaded as the trainer loads it, through inductor: in every layer graph q/k/v and
+    gate/up fuse (with LoRA, their A matrices too); logits and every trainable gradient agree with the same
+    layers compiled without the pass (float32: to rounding)."""
+    from turnrl.bench.train import model_directory
+    from turnrl.train.policy import load_policy
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
     torch._dynamo.reset()
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100)
     torch.manual_seed(0)
-    fused, plain = Qwen2ForCausalLM(cfg), None
+    with model_directory("tiny-shape") as path:
+        fused = load_policy(str(path), torch.device("cpu"), lora_rank, 8.0)
     plain = copy.deepcopy(fused)
     before = FuseParallelLinears.fused
-    compile_layers(fused)
-    compile_layers(plain, fuse_linears=False)
-    ids = torch.randint(0, 100, (2, 17))
+    compile_layers(fused, fuse_linears=True)
+    compile_layers(plain)
+    ids = torch.randint(0, fused.config.vocab_size, (2, 17))
     got, want = fused(input_ids=ids).logits, plain(input_ids=ids).logits
     groups = FuseParallelLinears.fused - before
-    assert groups >= 2 and groups % 2 == 0          # two groups in every layer graph inductor compiled
+    per_graph = 4 if lora_rank else 2                # + the A matrices of q/k/v and of gate/up
+    assert groups >= per_graph and groups % per_graph == 0
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     got.square().sum().backward()
     want.square().sum().backward()
-    for (name, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters()):
+    trained = [(n, a, b) for (n, a), (_, b) in zip(fused.named_parameters(), plain.named_parameters())
+               if a.requires_grad]
+    assert trained
+    for name, a, b in trained:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_config_key_reaches_the_compile(fuse, monkeypatch):
-    """trainer.fuse_linears is read (and an unknown spelling is refused by the config loader)."""
+    """trainer.fuse_linears is read, off by default (and an unknown spelling is refused by the loader)."""
     from turnrl.config import ConfigError, load_config
+    assert load_config(None, []).trainer.fuse_linears is False
     cfg = load_config(None, [f"trainer.fuse_linears={str(fuse).lower()}"])
     assert cfg.trainer.fuse_linears is fuse
     with pytest.raises(ConfigError):

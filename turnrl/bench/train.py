@@ -5,8 +5,9 @@ The rows look like a multi-turn RL batch: right-padded rows of varied length (un
 results (loss mask 0), with engine logprobs on the policy tokens and GRPO advantages of random rewards over
 groups of `group` rows. The update is exactly the trainer's (`turnrl.train.update.policy_update`): the same
 model setup as `Trainer.__init__` (`load_policy`, LoRA or full, packed attention with `trainer.packing`,
-`compile_layers` with `trainer.compile`, `settings_from(cfg, device)` with its fused-head choice), optimizer,
-token-budget micro-batches (padded, or packed rows), autocast, loss, entropy metric and clipping. The
+`compile_layers` with `trainer.compile` and `trainer.fuse_linears`, `settings_from(cfg, device)` with its
+fused-head choice), optimizer, token-budget micro-batches (padded, or packed rows), autocast, loss, entropy
+metric and clipping. The
 forward-only `logprob_pass` (the trainer's reference / old-logprob pass) is timed too.
 
 FLOPs, per trained token (tokens = real, unpadded tokens; padding is reported, not counted as work):

@@ -124,8 +124,9 @@ class TrainerConfig:
     fused_head: Literal["auto", "on", "off"] = "auto"  # chunked logprobs of policy tokens only, no full logits
     #                                      (auto = on; off: the model's own logits path)
     compile: bool = False                # torch.compile each decoder layer (GPU)
-    fuse_linears: bool = True            # with compile: linears that read one input (q/k/v, gate/up, LoRA's A)
-    #                                      run as one GEMM each group (turnrl/train/fuse_linears.py)
+    fuse_linears: bool = False           # with compile: linears that read one input (q/k/v, gate/up, LoRA's A)
+    #                                      run as one GEMM a group (turnrl/train/fuse_linears.py); off until an
+    #                                      A/B on a GPU shows it faster (none could be had on 2026-12-07)
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
     packed_attention: Literal["auto", "flash", "triton"] = "auto"  # packed rows' attention on GPUs: torch's
     #                                      varlen FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py);

@@ -259,7 +259,7 @@ def forward_values(critic: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
 
 
-def compile_layers(model: Any, fuse_linears: bool = True) -> None:
+def compile_layers(model: Any, fuse_linears: bool = False) -> None:
     """torch.compile every decoder layer in place: identical layers share one compiled graph, so compiling
     costs about one layer's worth; elementwise work (norms, rotary, SwiGLU, residuals) fuses into few kernels.
     `fuse_linears`: the linears that read one input run as one GEMM (`turnrl.train.fuse_linears`)."""
