@@ -75,6 +75,35 @@ def test_micro_batch_gradients_add_up_in_fp32_on_the_masters(base, rows):
         torch.testing.assert_close(m.grad, want, rtol=0, atol=0)
 
 
+def test_a_backward_that_raises_leaves_nothing_held_for_the_next():
+    """A backward that fails after some gradients were held (its end never comes, so they were never cast):
+    the next backward starts clean and its gradients alone reach the masters."""
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("the backward fails here")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    master = MasterWeights([model])
+    x = torch.randn(3, 4, dtype=BF16)
+    with pytest.raises(RuntimeError, match="fails here"):
+        model[1](Fail.apply(model[0](x))).sum().backward()     # the last layer's gradients come first: held
+    assert master._held and all(m.grad is None for m in master.masters)
+    model(x).sum().backward()
+    plain = copy.deepcopy(model)
+    for p, m in zip(plain.parameters(), master.masters):
+        p.data = m.data.to(BF16)
+    plain(x).sum().backward()
+    assert not master._held
+    for p, m in zip(plain.parameters(), master.masters):
+        assert torch.equal(m.grad, p.grad.float())
+
+
 GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                        reason="needs CUDA")])
 

@@ -86,6 +86,7 @@ class MasterWeights:
         for model in models:
             cast_weights(model, dtype)
         self._held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []   # (master, bf16 grad) of this backward
+        self._task = -1                                                   # the autograd graph task they are of
         self._hooks = [w.register_post_accumulate_grad_hook(self._accumulate_into(m))
                        for w, m in zip(self.weights, self.masters)]
 
@@ -96,14 +97,17 @@ class MasterWeights:
             if master.grad is not None:
                 master.grad.add_(grad)
                 return
-            if not self._held:   # the first held gradient of this backward: cast them all when it ends
+            task = torch._C._current_graph_task_id()
+            if task != self._task:   # the first held gradient of this backward: cast them all when it ends
+                # (any still held come from a backward that raised before its end: dropped with it)
+                self._held, self._task = [], task
                 torch.autograd.Variable._execution_engine.queue_callback(self._cast_held)
             self._held.append((master, grad))
         return hook
 
     def _cast_held(self) -> None:
         """At the end of a backward: the held bf16 gradients become their masters' fp32 gradients."""
-        held, self._held = self._held, []
+        held, self._held, self._task = self._held, [], -1
         if not held:
             return
         grads = [torch.empty_like(master) for master, _ in held]
