@@ -182,8 +182,7 @@ def main() -> None:
             return out[0].transpose(0, 1)[:n]
         return step
 
-    defaults = {name: getattr(flash_kernel, name) for name in ("FORWARD", "KEYS", "QUERIES", "ATOMIC_DQ",
-                                                                "SCHEDULE")}
+    defaults = flash_kernel.blocking()
 
     def triton_step(kernel: str | None, blocking: tuple[int, ...] | bool | None) -> Callable[[], torch.Tensor]:
         for name, value in defaults.items():
@@ -250,7 +249,7 @@ def main() -> None:
                                                             zip(grads_of(step), reference_grads)]
                 entry["grad_scale"] = [float(g.abs().max()) for g in reference_grads]
             if name.startswith("triton"):
-                entry["blocking"] = {key: getattr(flash_kernel, key) for key in defaults}
+                entry["blocking"] = flash_kernel.blocking()
         except Exception as exc:  # a backend torch lacks here is a result too
             entry = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         finally:

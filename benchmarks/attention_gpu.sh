@@ -6,10 +6,10 @@
 # With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
 # PARTS (default: gpu_tests probe train), ARMS (default: flash triton best; an arm may name the weights too,
 # kernel:param_dtype, e.g. flash:float32 triton:bfloat16; without one, trainer.param_dtype's default, auto: bf16
-# weights with fp32 masters on CUDA; and overrides after '+', e.g. triton:bfloat16+trainer.fuse_linears=false), REPEATS (2), PROFILE=1 (bench train --profile on the last pass), FORWARD /
-# KEYS / QUERIES (blockings to sweep, program block:step block:warps:stages), ROUNDS (the probe's variants timed
-# this many times in turn), ONLY_ON (e.g. H200), CLOCKS=1 (SM
-# clock, power and throttle reasons every 250 ms in $OUT/clocks.csv). The logs and the earlier passes' JSON end
+# weights with fp32 masters on CUDA; and overrides after '+', e.g. triton:bfloat16+trainer.fuse_linears=true),
+# REPEATS (2), PROFILE=1 (bench train --profile on the last pass), FORWARD / KEYS / QUERIES (blockings to sweep,
+# program block:step block:warps:stages), ROUNDS (the probe's variants timed this many times in turn), ONLY_ON
+# (e.g. H200), CLOCKS=1 (SM clock, power and throttle reasons every 250 ms in $OUT/clocks.csv). The logs and the earlier passes' JSON end
 # up in $OUT/logs.tgz (the device tool brings back 8 files).
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TURNRL_HOME=$PWD/.devcache HF_HUB_OFFLINE=1

@@ -7,8 +7,7 @@ groups of `group` rows. The update is exactly the trainer's (`turnrl.train.updat
 model setup as `Trainer.__init__` (`load_policy`, LoRA or full, packed attention with `trainer.packing`,
 `compile_layers` with `trainer.compile` and `trainer.fuse_linears`, `settings_from(cfg, device)` with its
 fused-head choice), optimizer, token-budget micro-batches (padded, or packed rows), autocast, loss, entropy
-metric and clipping. The
-forward-only `logprob_pass` (the trainer's reference / old-logprob pass) is timed too.
+metric and clipping. The forward-only `logprob_pass` (the trainer's reference / old-logprob pass) is timed too.
 
 FLOPs, per trained token (tokens = real, unpadded tokens; padding is reported, not counted as work):
 - `6N` (the issue's figure, Kaplan et al. 2020): N = every parameter of the base model, tied embeddings

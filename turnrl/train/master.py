@@ -107,9 +107,7 @@ class MasterWeights:
 
     def _cast_held(self) -> None:
         """At the end of a backward: the held bf16 gradients become their masters' fp32 gradients."""
-        held, self._held, self._task = self._held, [], -1
-        if not held:
-            return
+        held, self._held, self._task = self._held, [], -1   # queued with its first entry: never empty
         grads = [torch.empty_like(master) for master, _ in held]
         torch._foreach_copy_(grads, [grad for _, grad in held])
         for (master, _), grad in zip(held, grads):
