@@ -13,8 +13,10 @@ heads: 14 query heads, 2 key/value heads, head size 64; 64 rows of 512-1024 toke
   triton         turnrl's Triton kernels (`turnrl/train/flash_kernel.py`, trainer.packed_attention: triton) at
                  the module's blocking, `triton_atomic_dq` with its ATOMIC_DQ (FA2's one-kernel backward),
                  `triton_per_segment` with the grid segment after segment (SCHEDULE, the order before 2026-12-07),
-                 and `triton_<kernel>_<blocking>` for each blocking in --triton-forward,
-                 --triton-keys, --triton-queries (program block:step block:warps:stages), the others at default
+                 `triton_per_head_keys` with the dK/dV kernel's per-head loops (FLAT_KEYS off, before 2026-12-07's
+                 twelfth session), and `triton_<kernel>_<blocking>` for each blocking in --triton-forward,
+                 --triton-keys, --triton-queries (program block:step block:warps:stages[:register cap]), the
+                 others at default
 Each variant's output on the real tokens is compared with varlen_fa2's, and the triton variants' gradients
 with varlen_fa2's too (FA2's own run-to-run spread is reported beside them: its dQ is summed with atomics).
 FLOPs are the causal ones actually needed (4 D H per query-key pair forward, 2.5x that backward), the same
@@ -209,6 +211,7 @@ def main() -> None:
         "triton": lambda: triton_step(None, None),
         "triton_atomic_dq": lambda: triton_step("ATOMIC_DQ", True),
         "triton_per_segment": lambda: triton_step("SCHEDULE", "per_segment"),
+        "triton_per_head_keys": lambda: triton_step("FLAT_KEYS", False),
     }
     for kernel, specs in (("forward", args.triton_forward), ("keys", args.triton_keys),
                           ("queries", args.triton_queries)):

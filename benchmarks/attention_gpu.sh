@@ -6,7 +6,8 @@
 # With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
 # PARTS (default: gpu_tests probe train), ARMS (default: flash triton best; an arm may name the weights too,
 # kernel:param_dtype, e.g. flash:float32 triton:bfloat16; without one, trainer.param_dtype's default, auto: bf16
-# weights with fp32 masters on CUDA; and overrides after '+', e.g. triton:bfloat16+trainer.fuse_linears=true),
+# weights with fp32 masters on CUDA; and overrides after '+', e.g. triton:bfloat16+trainer.fuse_linears=true, where
+# an upper-case NAME=value sets the environment, e.g. +TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1),
 # REPEATS (2), PROFILE=1 (bench train --profile on the last pass), FORWARD / KEYS / QUERIES (blockings to sweep,
 # program block:step block:warps:stages), ROUNDS (the probe's variants timed this many times in turn), ONLY_ON
 # (e.g. H200), CLOCKS=1 (SM clock, power and throttle reasons every 250 ms in $OUT/clocks.csv). The logs and the earlier passes' JSON end
@@ -41,7 +42,9 @@ trainer.micro_batch_tokens=65536 trainer.packing=true"
 REPEATS=${REPEATS:-2}
 for i in $(seq 1 "$REPEATS"); do
     for arm in ${ARMS:-flash triton best}; do
-        overrides=""; [[ $arm == *+* ]] && overrides=$(tr '+' ' ' <<< "${arm#*+}")
+        overrides=""; env=(); [[ $arm == *+* ]] && overrides=$(tr '+' ' ' <<< "${arm#*+}")
+        for o in $overrides; do [[ $o =~ ^[A-Z_][A-Z0-9_]*= ]] && env+=("$o"); done   # NAME=value: environment
+        overrides=$(for o in $overrides; do [[ $o =~ ^[A-Z_][A-Z0-9_]*= ]] || echo "$o"; done)
         base=${arm%%+*}; kernel=${base%%:*}; weights=""
         name=$(tr -c 'A-Za-z0-9_\n' '_' <<< "${arm/:/_}")
         [[ $base == *:* ]] && weights="trainer.param_dtype=${base#*:}"
@@ -49,10 +52,10 @@ for i in $(seq 1 "$REPEATS"); do
         extra=""; [[ -n "${PROFILE:-}" && $i == "$REPEATS" ]] && extra="--profile"
         if [[ $kernel == best ]]; then
             [[ -f "$OUT/probe.json" ]] || continue
-            PART=train run_part "train_${name}_$i" python3 benchmarks/attention_best_blocking.py "$OUT/probe.json" -- \
+            PART=train run_part "train_${name}_$i" env "${env[@]}" python3 benchmarks/attention_best_blocking.py "$OUT/probe.json" -- \
                 bench train $TRAIN trainer.packed_attention=triton $weights $extra --json "$OUT/train_${name}_$i.json"
         else
-            PART=train run_part "train_${name}_$i" python3 -m turnrl bench train $TRAIN \
+            PART=train run_part "train_${name}_$i" env "${env[@]}" python3 -m turnrl bench train $TRAIN \
                 trainer.packed_attention=$kernel $weights $extra --json "$OUT/train_${name}_$i.json"
         fi
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); s=r['summary']; print(sys.argv[2], 'update_s', \

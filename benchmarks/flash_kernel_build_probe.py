@@ -19,13 +19,14 @@ import subprocess
 import tempfile
 
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
-COMMON = {"H": "constexpr", "KV": "constexpr", "D": "constexpr", "WIDEN": "constexpr"}
+COMMON = {"H": "constexpr", "KV": "constexpr", "D": "constexpr", "WIDEN": "constexpr", "ACROSS": "constexpr"}
 SIGNATURES = {
     "forward": {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "o_ptr": BF16, "lse_ptr": F32, "cu_ptr": I32,
                 "N": "i32", "n_blocks": "i32", "scale2": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
     "keys": {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "do_ptr": BF16, "lse_ptr": F32, "delta_ptr": F32,
              "dk_ptr": BF16, "dv_ptr": BF16, "dq_ptr": F32, "cu_ptr": I32, "N": "i32", "scale": "fp32",
-             "scale2": "fp32", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "ATOMIC_DQ": "constexpr"},
+             "scale2": "fp32", "BLOCK_N": "constexpr", "BLOCK_M": "constexpr", "ATOMIC_DQ": "constexpr",
+             "FLAT": "constexpr"},
     "queries": {"q_ptr": BF16, "k_ptr": BF16, "v_ptr": BF16, "do_ptr": BF16, "lse_ptr": F32, "delta_ptr": F32,
                 "dq_ptr": BF16, "cu_ptr": I32, "N": "i32", "n_blocks": "i32", "scale": "fp32", "scale2": "fp32",
                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
@@ -33,7 +34,7 @@ SIGNATURES = {
 
 
 def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int, dim: int, arch: int,
-          atomic: bool = False) -> dict:
+          atomic: bool = False, flat: bool = True) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,9 +44,9 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
     outer, inner, warps, stages = blocking
     signature = {**{k: v for k, v in SIGNATURES[kernel].items() if v != "constexpr"}, **COMMON,
                  **{k: v for k, v in SIGNATURES[kernel].items() if v == "constexpr"}}
-    constants = {"H": heads, "KV": kv, "D": dim, "WIDEN": False}
+    constants = {"H": heads, "KV": kv, "D": dim, "WIDEN": False, "ACROSS": True}
     if kernel == "keys":
-        constants.update(BLOCK_N=outer, BLOCK_M=inner, ATOMIC_DQ=atomic)
+        constants.update(BLOCK_N=outer, BLOCK_M=inner, ATOMIC_DQ=atomic, FLAT=flat)
     else:
         constants.update(BLOCK_M=outer, BLOCK_N=inner)
     fn = getattr(flash_triton, kernel)
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--per-head-keys", action="store_true", help="the dK/dV kernel's per-head loops (FLAT_KEYS off)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import triton
@@ -88,7 +90,8 @@ def main() -> None:
         for spec in filter(None, getattr(args, kernel).split(",")):
             blocking = tuple(int(x) for x in spec.split(":"))
             try:
-                entry = build(kernel, blocking, args.heads, args.kv_heads, args.head_dim, args.arch)
+                entry = build(kernel, blocking, args.heads, args.kv_heads, args.head_dim, args.arch,
+                              flat=not args.per_head_keys)
             except Exception as exc:  # a blocking that does not build is a result too
                 entry = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             entry = {"kernel": kernel, "blocking": spec, **entry}

@@ -48,8 +48,8 @@ def run(q, k, v, grad, cu, max_length, scale):
 @pytest.mark.parametrize(("lengths", "heads", "kv", "dim", "blocking"), [
     # rows of one token, under a block, on a block's edge, over several blocks; a group of 7 as Qwen2.5-0.5B
     ([1, 5, 64, 130, 200], 14, 2, 64, None),
-    # small blocks: many diagonal and full steps, a key program wider than a query step
-    ([3, 70, 129, 33], 4, 2, 16, ((32, 16, 4, 3), (64, 16, 4, 3), (32, 32, 4, 3))),
+    # small blocks: many diagonal and full steps, a key program wider than a query step (and a register cap)
+    ([3, 70, 129, 33], 4, 2, 16, ((32, 16, 4, 3), (64, 16, 4, 2, 128), (32, 32, 4, 3))),
     ([96, 17], 6, 6, 32, ((64, 64, 4, 3), (32, 32, 4, 3), (64, 32, 4, 3))),     # no grouping
 ])
 def test_forward_and_gradients_equal_sdpa_per_row(interpreted, monkeypatch, lengths, heads, kv, dim, blocking):
@@ -94,6 +94,22 @@ def test_the_grid_order_changes_nothing_but_the_order(interpreted, monkeypatch):
         results[schedule] = run(q, k, v, grad, cu, max(lengths), 0.25)
         assert flash_kernel.blocking()["SCHEDULE"] == schedule
     (out_a, grads_a), (out_b, grads_b) = results.values()
+    assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+@needs_triton
+@pytest.mark.parametrize("keys", [(32, 16, 4, 3), (64, 16, 4, 3)])
+def test_the_flat_key_walk_gives_the_same_bits(interpreted, monkeypatch, keys):
+    """FLAT_KEYS (one loop over head and query step, every step masked) against the per-head loops: the same
+    sums in the same order, so equal bit for bit; rows shorter than, equal to and longer than a key block."""
+    lengths = [3, 70, 129, 33, 64]
+    q, k, v, grad, cu = case(lengths, 6, 2, 16, torch.float32, seed=8)
+    monkeypatch.setattr(flash_kernel, "KEYS", keys)
+    results = []
+    for flat in (False, True):
+        monkeypatch.setattr(flash_kernel, "FLAT_KEYS", flat)
+        results.append(run(q, k, v, grad, cu, max(lengths), 0.25))
+    (out_a, grads_a), (out_b, grads_b) = results
     assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
@@ -162,6 +178,9 @@ def test_bad_inputs_and_blockings_are_refused(monkeypatch):
     monkeypatch.setattr(flash_kernel, "FORWARD", (64, 128, 4, 3))
     with pytest.raises(ValueError, match="FORWARD"):
         flash_kernel.forward(q, kv, kv, cu, 10, 0.1)
+    monkeypatch.setattr(flash_kernel, "FORWARD", (64, 64, 4))
+    with pytest.raises(ValueError, match="register cap"):
+        flash_kernel.forward(q, kv, kv, cu, 10, 0.1)
 
 
 def test_the_config_key_needs_packing():
@@ -197,3 +216,18 @@ def test_on_the_gpu_it_matches_varlen_flash_and_repeats_bit_for_bit():
     assert (out.float() - want).abs().max() <= 2 * (fa2.float() - want).abs().max() + 1e-3
     for ours, theirs, ref in zip(grads, fa2_grads, exact):
         assert (ours.float() - ref.grad).abs().max() <= 2 * (theirs.float() - ref.grad).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_a_register_cap_changes_no_bit(monkeypatch):
+    """A blocking's register cap (`maxnreg`, spills allowed) changes where values live, not the arithmetic."""
+    dev = torch.device("cuda")
+    lengths = [700, 1024, 513]
+    q, k, v, grad, cu = (x.to(dev) if i == 4 else x.detach().to(dev).requires_grad_(i < 3) for i, x in
+                         enumerate(case(lengths, 14, 2, 64, torch.bfloat16, seed=3)))
+    monkeypatch.setattr(flash_kernel, "KEYS", (64, 16, 4, 2))
+    out, grads = run(q, k, v, grad, cu, max(lengths), 0.125)
+    monkeypatch.setattr(flash_kernel, "KEYS", (64, 16, 4, 2, 128))
+    out_capped, grads_capped = run(q, k, v, grad, cu, max(lengths), 0.125)
+    assert torch.equal(out, out_capped) and all(torch.equal(a, b) for a, b in zip(grads, grads_capped))

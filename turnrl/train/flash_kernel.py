@@ -10,8 +10,8 @@ same algorithm (Dao 2023) in Triton:
   writes the output and each query's log-sum-exp (base 2, float32). Query blocks run longest first, those of
   every segment before any shorter block (`SCHEDULE`), so the short programs fill the tail of the grid;
 - backward: `delta = rowsum(dO * O)`; then one program per (key block, key/value head, segment) walks every
-  query head of its group and every query block at or after its keys, recomputing P from the saved
-  log-sum-exp, and sums dV and dK in registers; and one program per (query block, query head, segment)
+  query head of its group and every query block at or after its keys in one loop (`FLAT_KEYS`), recomputing
+  P from the saved log-sum-exp, and sums dV and dK in registers; and one program per (query block, query head, segment)
   sums dQ over its key blocks. No atomics: the gradients are deterministic (FlashAttention 2's backward adds
   dQ with float32 atomics), at the price of computing QK^T and dO V^T twice. `ATOMIC_DQ = True` is FA2's way
   (the key program adds its share of dQ into a float32 buffer, no dQ kernel), for comparison.
@@ -33,15 +33,22 @@ from turnrl.exact.triton_build import usable_on
 
 LOG2E = 1.4426950408889634
 
-# (program's block, step's block, warps, stages) of each kernel; the first a multiple of the second. The fastest
-# of the sweep on an H100 at head size 64 (2026-12-07, benchmarks/results/h100_attention_probe_2026-12-07.json:
-# forward 0.42 ms against 0.55 at 128x64/8 warps; dK/dV at 64x16/4 warps 1.99 ms forward and backward against
-# FA2's 2.23); none spills when built offline with Triton 3.6, the GPU machine's
-# (benchmarks/flash_kernel_build_probe.py; the key program at 64 x 64 spills under 3.6, with 8 warps or 4)
+# (program's block, step's block, warps, stages[, register cap]) of each kernel; the first a multiple of the
+# second. The fastest of the sweep on an H100 at head size 64 (2026-12-07,
+# benchmarks/results/h100_attention_probe_2026-12-07.json: forward 0.42 ms against 0.55 at 128x64/8 warps; dK/dV
+# at 64x16/4 warps 1.99 ms forward and backward against FA2's 2.23); none spills when built offline with Triton
+# 3.6, the GPU machine's (benchmarks/flash_kernel_build_probe.py; the key program at 64 x 64 spills under 3.6, with
+# 8 warps or 4)
 FORWARD = (64, 64, 4, 3)      # queries x keys a step
 KEYS = (64, 16, 4, 3)         # backward dK/dV: keys a program x queries a step
 QUERIES = (64, 32, 4, 3)      # backward dQ: queries a program x keys a step
 ATOMIC_DQ = False             # True: the dK/dV kernel adds dQ with float32 atomics, no dQ kernel (FA2's way)
+# The dK/dV program's walk: True, one loop over (query head of its group, query step) with the causal mask on every
+# step; False, per head, the diagonal steps and then the others, two loops each pipelined on its own (14 fills and
+# drains a program for Qwen2.5-0.5B's group of 7). The same sums in the same order: the same bits. Built offline
+# with Triton 3.6 at 64x16/4 warps/3 stages the flat walk takes 122 registers a thread against 196, so 4 programs
+# fit an SM against 2 (benchmarks/flash_kernel_build_probe.py).
+FLAT_KEYS = True
 # The grid's order (CUDA starts programs in grid order): "across" runs the longest programs of every segment
 # first (the first key blocks, the last query blocks), "per_segment" runs segment after segment, longest
 # first within each. A list-scheduling model of the bench's rows (64 rows of 512-1024 tokens, 2-3 programs an
@@ -75,7 +82,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
 
 def blocking() -> dict[str, Any]:
     """The blocking the kernels run with now (for reports)."""
-    return {"FORWARD": FORWARD, "KEYS": KEYS, "QUERIES": QUERIES, "ATOMIC_DQ": ATOMIC_DQ, "SCHEDULE": SCHEDULE}
+    return {"FORWARD": FORWARD, "KEYS": KEYS, "QUERIES": QUERIES, "ATOMIC_DQ": ATOMIC_DQ, "SCHEDULE": SCHEDULE,
+            "FLAT_KEYS": FLAT_KEYS}
 
 
 def _grid(blocks: int, heads: int, segments: int) -> tuple[tuple[int, int, int], bool]:
@@ -96,13 +104,21 @@ def _blocks(length: int, block: int) -> int:
     return max(1, -(-length // block))
 
 
-def _blocking(name: str, blocking: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """A kernel's blocking, checked: the diagonal walk needs the program's block a multiple of the step's."""
-    outer, inner, _, _ = blocking
+def _blocking(name: str, blocking: tuple[int, ...]) -> tuple[int, int, dict[str, int]]:
+    """(program's block, step's block, launch options) of a kernel's blocking, checked: the diagonal walk needs
+    the program's block a multiple of the step's. A fifth entry caps the registers a thread (`maxnreg`: more
+    programs an SM, at the price of spills)."""
+    if len(blocking) not in (4, 5):
+        raise ValueError(f"flash_kernel.{name} = {blocking}: give (program block, step block, warps, stages) "
+                         "and optionally a register cap")
+    outer, inner, warps, stages = blocking[:4]
     if outer % inner or outer & (outer - 1) or inner & (inner - 1) or inner < 16:
         raise ValueError(f"flash_kernel.{name} = {blocking}: its first block must be a power-of-two multiple of "
                          "its second (a power of two >= 16)")
-    return blocking
+    options = {"num_warps": warps, "num_stages": stages}
+    if len(blocking) == 5 and blocking[4]:
+        options["maxnreg"] = blocking[4]
+    return outer, inner, options
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_length: int,
@@ -113,13 +129,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     out = torch.empty_like(q)
     lse = torch.empty((heads, n), dtype=torch.float32, device=q.device)
     segments = cu.shape[0] - 1
-    block_m, block_n, warps, stages = _blocking("FORWARD", FORWARD)
+    block_m, block_n, options = _blocking("FORWARD", FORWARD)
     if n and segments:
         n_blocks = _blocks(max_length, block_m)
         grid, across = _grid(n_blocks, heads, segments)
         _kernels()[0][grid](
             q, k, v, out, lse, cu, n, n_blocks, scale * LOG2E, H=heads, KV=k.shape[1], D=dim, BLOCK_M=block_m,
-            BLOCK_N=block_n, WIDEN=not q.is_cuda, ACROSS=across, num_warps=warps, num_stages=stages)
+            BLOCK_N=block_n, WIDEN=not q.is_cuda, ACROSS=across, **options)
     return out, lse
 
 
@@ -140,19 +156,19 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     delta_k[(-(-n * heads // rows),)](out, do, dl, n, H=heads, D=dim, BLOCK=rows, num_warps=4)
     widen, atomic = not q.is_cuda, ATOMIC_DQ
     dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
-    block_n, block_m, warps, stages = _blocking("KEYS", KEYS)
+    block_n, block_m, options = _blocking("KEYS", KEYS)
     grid, across = _grid(_blocks(max_length, block_n), kv, segments)
     keys_k[grid](
         q, k, v, do, lse, dl, dk, dv, dq32, cu, n, scale, scale * LOG2E, H=heads, KV=kv, D=dim, BLOCK_N=block_n,
-        BLOCK_M=block_m, WIDEN=widen, ATOMIC_DQ=atomic, ACROSS=across, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, WIDEN=widen, ATOMIC_DQ=atomic, ACROSS=across, FLAT=FLAT_KEYS, **options)
     if atomic:
         return dq.copy_(dq32), dk, dv
-    block_m, block_n, warps, stages = _blocking("QUERIES", QUERIES)
+    block_m, block_n, options = _blocking("QUERIES", QUERIES)
     n_blocks = _blocks(max_length, block_m)
     grid, across = _grid(n_blocks, heads, segments)
     queries_k[grid](
         q, k, v, do, lse, dl, dq, cu, n, n_blocks, scale, scale * LOG2E, H=heads, KV=kv, D=dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, WIDEN=widen, ACROSS=across, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, WIDEN=widen, ACROSS=across, **options)
     return dq, dk, dv
 
 

@@ -108,11 +108,13 @@ def _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols
     dl = tl.load(delta_seg + rows, mask=live, other=0.0)
     if WIDEN:
         q, do = q.to(tl.float32), do.to(tl.float32)
-    p = tl.exp2(tl.dot(k, tl.trans(q)) * scale2 - lse[None, :])          # [keys, queries]
+    s = tl.dot(k, tl.trans(q))                                            # [keys, queries]
+    dp = tl.dot(v, tl.trans(do))   # issued before s is used: the two run while the first waits (see module)
+    p = tl.exp2(s * scale2 - lse[None, :])
     if MASKED:
         p = tl.where(cols[:, None] <= rows[None, :], p, 0.0)
     dv += tl.dot(p.to(do.dtype), do)
-    ds = p * (tl.dot(v, tl.trans(do)) - dl[None, :])
+    ds = p * (dp - dl[None, :])
     dk += tl.dot(ds.to(q.dtype), q)
     if ATOMIC_DQ:   # this key block's share of dQ, added into a float32 buffer (order varies run to run)
         tl.atomic_add(dq_seg + at, tl.dot(tl.trans(ds.to(k.dtype)), k) * scale, mask=live[:, None])
@@ -122,7 +124,7 @@ def _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols
 @triton.jit
 def keys(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, cu_ptr, N, scale, scale2,
          H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-         WIDEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACROSS: tl.constexpr):
+         WIDEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, ACROSS: tl.constexpr, FLAT: tl.constexpr):
     # the first key blocks see the most queries: first (ACROSS: grid (segment, head, block), the first blocks of
     # every segment before any second block; else (block, head, segment), first within each segment only)
     n0 = (tl.program_id(2) if ACROSS else tl.program_id(0)) * BLOCK_N
@@ -142,18 +144,28 @@ def keys(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr
             k, v = k.to(tl.float32), v.to(tl.float32)
         dk = tl.zeros((BLOCK_N, D), tl.float32)
         dv = tl.zeros((BLOCK_N, D), tl.float32)
-        diagonal_end = tl.minimum(n0 + BLOCK_N, L)
-        for g in range(H // KV):
-            h = kh * (H // KV) + g
-            q_off = start.to(tl.int64) * (H * D) + h * D
-            q_seg, do_seg, dq_seg = q_ptr + q_off, do_ptr + q_off, dq_ptr + q_off
-            lse_seg, delta_seg = lse_ptr + h * N + start, delta_ptr + h * N + start
-            for i in range(n0, diagonal_end, BLOCK_M):      # queries on the keys' diagonal (BLOCK_M | BLOCK_N)
-                dk, dv = _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L, scale,
-                                     scale2, H, D, True, BLOCK_M, WIDEN, ATOMIC_DQ)
-            for i in range(diagonal_end, L, BLOCK_M):       # queries that see every key of the block
-                dk, dv = _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L, scale,
-                                     scale2, H, D, False, BLOCK_M, WIDEN, ATOMIC_DQ)
+        if FLAT:   # one loop over (query head of the group, query step), every step masked: one pipeline
+            steps = tl.cdiv(L - n0, BLOCK_M)
+            for t in range(0, (H // KV) * steps):
+                g = t // steps
+                h = kh * (H // KV) + g
+                q_off = start.to(tl.int64) * (H * D) + h * D
+                dk, dv = _keys_block(k, v, dk, dv, q_ptr + q_off, do_ptr + q_off, lse_ptr + h * N + start,
+                                     delta_ptr + h * N + start, dq_ptr + q_off, n0 + (t - g * steps) * BLOCK_M, cols,
+                                     d, L, scale, scale2, H, D, True, BLOCK_M, WIDEN, ATOMIC_DQ)
+        else:      # per head, the diagonal steps (masked) and then the rest, each loop pipelined on its own
+            diagonal_end = tl.minimum(n0 + BLOCK_N, L)
+            for g in range(H // KV):
+                h = kh * (H // KV) + g
+                q_off = start.to(tl.int64) * (H * D) + h * D
+                q_seg, do_seg, dq_seg = q_ptr + q_off, do_ptr + q_off, dq_ptr + q_off
+                lse_seg, delta_seg = lse_ptr + h * N + start, delta_ptr + h * N + start
+                for i in range(n0, diagonal_end, BLOCK_M):      # queries on the keys' diagonal (BLOCK_M | BLOCK_N)
+                    dk, dv = _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L,
+                                         scale, scale2, H, D, True, BLOCK_M, WIDEN, ATOMIC_DQ)
+                for i in range(diagonal_end, L, BLOCK_M):       # queries that see every key of the block
+                    dk, dv = _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols, d, L,
+                                         scale, scale2, H, D, False, BLOCK_M, WIDEN, ATOMIC_DQ)
         tl.store(dk_ptr + kv_off + kv_at, (dk * scale).to(dk_ptr.dtype.element_ty), mask=live[:, None])
         tl.store(dv_ptr + kv_off + kv_at, dv.to(dv_ptr.dtype.element_ty), mask=live[:, None])
 

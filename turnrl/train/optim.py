@@ -1,4 +1,4 @@
-"""AdamW with linear warmup and a constant or cosine schedule."""
+"""AdamW with linear warmup and a constant or cosine schedule; the step with gradient clipping."""
 
 from __future__ import annotations
 
@@ -36,3 +36,27 @@ def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_step
     if master is not None:
         master.attach(optimizer)
     return optimizer, scheduler
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                  max_norm: float) -> torch.Tensor:
+    """Scale the gradients of `params` to a total norm of at most `max_norm` (<= 0: no clipping), step, and
+    return the norm before clipping (on the device: nothing waits for it). A fused AdamW divides the gradients
+    by the clip factor in its own kernel (`grad_scale`, AMP's unscaling hook), one pass over the gradients
+    fewer than `clip_grad_norm_`'s multiply; any other optimizer gets `clip_grad_norm_` first."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    if not fused or getattr(optimizer, "grad_scale", None) is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        optimizer.step()
+        return norm
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if max_norm <= 0:
+        optimizer.step()
+        return norm
+    # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the kernel divides by its inverse
+    optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+    return norm

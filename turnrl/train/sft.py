@@ -31,6 +31,7 @@ from turnrl.ledger import Trajectory
 from turnrl.observe.store import read_trajectories
 from turnrl.rollout.factory import build_environment
 from turnrl.train.batching import micro_batches, to_rows
+from turnrl.train.optim import clip_and_step
 from turnrl.train.policy import forward_logprobs
 
 
@@ -129,8 +130,7 @@ def sft_epoch(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, exam
             loss = aggregate(-lp.float(), mask[index, :width], "token-mean", normalizer)
             loss.backward()
             total += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        optimizer.step()
+        grad_norm = clip_and_step(optimizer, params, grad_clip)
         scheduler.step()
         if on_step is not None:
             on_step(b, {"sft/loss": total, "sft/tokens": normalizer, "grad_norm": float(grad_norm),

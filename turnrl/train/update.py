@@ -21,6 +21,7 @@ from turnrl.algo.policy_losses import policy_loss
 from turnrl.algo.rollout_correction import CorrectionSpec, correct
 from turnrl.config.schema import AlgoConfig, TrainerConfig
 from turnrl.train.batching import Rows, micro_batches, mini_batches, to_device
+from turnrl.train.optim import clip_and_step
 from turnrl.train.packing import Packed, pack
 from turnrl.train.policy import forward_logprobs, forward_values
 from turnrl.train.shared_prefix import lane_cost_for, prefix_groups, shared_micro_batches
@@ -199,8 +200,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scheduler: Any, 
                 index = to_device(index, rows.input_ids.device)
                 micro_step(model, rows.select(index, width), index, rows, s, amp, normalizer, stats, critic, packed,
                            shared, selected)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip if s.grad_clip > 0 else float("inf"))
-            optimizer.step()
+            grad_norm = clip_and_step(optimizer, params, s.grad_clip)
             scheduler.step()
             # freed now, while the device works through the queued step (the next update's start then finds
             # nothing to clear, and the gradients do not sit in memory through the next rollout)
