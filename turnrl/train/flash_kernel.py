@@ -47,7 +47,8 @@ ATOMIC_DQ = False             # True: the dK/dV kernel adds dQ with float32 atom
 # step; False, per head, the diagonal steps and then the others, two loops each pipelined on its own (14 fills and
 # drains a program for Qwen2.5-0.5B's group of 7). The same sums in the same order: the same bits. Built offline
 # with Triton 3.6 at 64x16/4 warps/3 stages the flat walk takes 122 registers a thread against 196, so 4 programs
-# fit an SM against 2 (benchmarks/flash_kernel_build_probe.py).
+# fit an SM against 2 (benchmarks/flash_kernel_build_probe.py); on an H100 the bench's update spends 16.1-16.3 ms
+# in it against 20.8 (2026-12-07, benchmarks/results/h100_train_call_{e,f,g}_*).
 FLAT_KEYS = True
 # The grid's order (CUDA starts programs in grid order): "across" runs the longest programs of every segment
 # first (the first key blocks, the last query blocks), "per_segment" runs segment after segment, longest

@@ -14,6 +14,11 @@ weights stay separate parameters (names, checkpoints, weight sync and LoRA targe
 copies them once per forward (a few MB a layer). The sums run in another order than the separate GEMMs', so
 results agree to rounding, not bit for bit.
 
+Measured on an H100 (2026-12-07, `benchmarks/results/h100_train_call_f_*`, the bench's Qwen2.5-0.5B update): the
+GEMMs got 4.5 ms faster and the norms' backward 3.7 ms, but the backward's `cat` of the group's output gradients
+fused into the SiLU backward and the rotary backward, and those kernels grew by 8.4 and 9.6 ms: 10 ms slower in
+all. So `trainer.fuse_linears` is off by default.
+
 A group is fused only when it is plain: two or more 2-d weights of one dtype and input width, biases on all of
 them or none, weights defined before the group's first linear, and no user of an output that mutates it.
 """
