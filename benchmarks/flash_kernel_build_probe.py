@@ -7,7 +7,9 @@ spills is slow whatever the sweep on a GPU says about its neighbours; this picks
     PYTHONPATH=. python benchmarks/flash_kernel_build_probe.py --json OUT.json \
         --forward 128:64:8:3,128:64:4:3 --keys 64:32:8:3 --queries 64:64:8:3 [--arch 90]
 
-Blockings: program block:step block:warps:stages (as `flash_kernel.FORWARD`, `KEYS`, `QUERIES`).
+Blockings: program block:step block:warps:stages[:register cap] (as `flash_kernel.FORWARD`, `KEYS`, `QUERIES`).
+On sm_90 it also reports how many programs fit an SM at once (registers, shared memory): the dK/dV kernel's
+per-head walk took 196 registers under Triton 3.6, 2 programs an SM; its flat walk 122, 4 (`FLAT_KEYS`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,20 @@ SIGNATURES = {
 }
 
 
-def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int, dim: int, arch: int,
+# Hopper's (sm_90) limits an SM: registers, shared memory (228 KiB, 1 KiB of it reserved a program), warps
+HOPPER = {"registers": 65536, "shared": 233472, "reserved": 1024, "warps": 64, "programs": 32}
+
+
+def programs_per_sm(registers: int, warps: int, shared: int, limits: dict[str, int] = HOPPER) -> int:
+    """How many programs of a kernel fit one SM at once: registers are given out a warp at a time, in units of
+    256 (8 a thread), and the shared memory a program at a time."""
+    per_warp = -(-registers // 8) * 8 * 32
+    by_registers = limits["registers"] // per_warp // warps
+    by_shared = limits["shared"] // (shared + limits["reserved"])
+    return min(by_registers, by_shared, limits["warps"] // warps, limits["programs"])
+
+
+def build(kernel: str, blocking: tuple[int, ...], heads: int, kv: int, dim: int, arch: int,
           atomic: bool = False, flat: bool = True) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -41,7 +56,7 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
 
     from turnrl.train import flash_triton
 
-    outer, inner, warps, stages = blocking
+    outer, inner, warps, stages = blocking[:4]
     signature = {**{k: v for k, v in SIGNATURES[kernel].items() if v != "constexpr"}, **COMMON,
                  **{k: v for k, v in SIGNATURES[kernel].items() if v == "constexpr"}}
     constants = {"H": heads, "KV": kv, "D": dim, "WIDEN": False, "ACROSS": True}
@@ -54,8 +69,10 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
                if kind.startswith("*")}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages}
+    if len(blocking) == 5 and blocking[4]:
+        options["maxnreg"] = blocking[4]   # the register cap of flash_kernel's five-entry blockings
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(compiled.asm["cubin"])
@@ -64,8 +81,10 @@ def build(kernel: str, blocking: tuple[int, int, int, int], heads: int, kv: int,
     fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split()
                   if ":" in item and item.split(":")[1].isdigit())
     ptx = compiled.asm["ptx"]
-    return {"registers": int(fields["REG"]), "spilled_bytes": int(fields["STACK"]),
-            "shared_bytes": int(compiled.metadata.shared), "warpgroup_mma": ptx.count("wgmma.mma_async"),
+    registers, shared = int(fields["REG"]), int(compiled.metadata.shared)
+    occupancy = {"programs_per_sm": programs_per_sm(registers, warps, shared)} if arch == 90 else {}
+    return {"registers": registers, "spilled_bytes": int(fields["STACK"]), "shared_bytes": shared, **occupancy,
+            "warpgroup_mma": ptx.count("wgmma.mma_async"),
             "async_copies": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
             "global_loads": {kind: ptx.count(kind) for kind in ("ld.global.v4", "ld.global.v2", "ld.global.b16")
                              if kind in ptx}}

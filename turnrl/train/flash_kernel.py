@@ -11,10 +11,10 @@ same algorithm (Dao 2023) in Triton:
   every segment before any shorter block (`SCHEDULE`), so the short programs fill the tail of the grid;
 - backward: `delta = rowsum(dO * O)`; then one program per (key block, key/value head, segment) walks every
   query head of its group and every query block at or after its keys in one loop (`FLAT_KEYS`), recomputing
-  P from the saved log-sum-exp, and sums dV and dK in registers; and one program per (query block, query head, segment)
-  sums dQ over its key blocks. No atomics: the gradients are deterministic (FlashAttention 2's backward adds
-  dQ with float32 atomics), at the price of computing QK^T and dO V^T twice. `ATOMIC_DQ = True` is FA2's way
-  (the key program adds its share of dQ into a float32 buffer, no dQ kernel), for comparison.
+  P from the saved log-sum-exp, and sums dV and dK in registers; and one program per (query block, query
+  head, segment) sums dQ over its key blocks. No atomics: the gradients are deterministic (FlashAttention 2's
+  backward adds dQ with float32 atomics), at the price of computing QK^T and dO V^T twice. `ATOMIC_DQ = True`
+  is FA2's way (the key program adds its share of dQ into a float32 buffer, no dQ kernel), for comparison.
 
 Grouped-query attention is native (a query head h reads key/value head h // group). Inputs [N, H, D]
 (contiguous), D a power of two between 16 and 256, cu_seqlens int32 [S + 1]. The blocking is read from this

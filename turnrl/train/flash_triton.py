@@ -109,7 +109,8 @@ def _keys_block(k, v, dk, dv, q_seg, do_seg, lse_seg, delta_seg, dq_seg, i, cols
     if WIDEN:
         q, do = q.to(tl.float32), do.to(tl.float32)
     s = tl.dot(k, tl.trans(q))                                            # [keys, queries]
-    dp = tl.dot(v, tl.trans(do))   # issued before s is used: the two run while the first waits (see module)
+    dp = tl.dot(v, tl.trans(do))   # before dV's dot: Triton waits for every dot whose result is used at
+    #                                once, and a wait after dV's dot would hold the step until it is done too
     p = tl.exp2(s * scale2 - lse[None, :])
     if MASKED:
         p = tl.where(cols[:, None] <= rows[None, :], p, 0.0)
