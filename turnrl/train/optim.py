@@ -50,13 +50,10 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parame
         optimizer.step()
         return norm
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if max_norm <= 0:
-        optimizer.step()
-        return norm
-    # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the kernel divides by its inverse
-    optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    if max_norm > 0:   # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the kernel divides
+        optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale
+        optimizer.__dict__.pop("grad_scale", None)
     return norm
