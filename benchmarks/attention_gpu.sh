@@ -3,7 +3,8 @@
 # probe (varlen FA2 against them, with a sweep of their blockings), and `turnrl bench train` (the README's
 # command) with trainer.packed_attention flash and triton, interleaved REPEATS times.
 #   bash benchmarks/attention_gpu.sh        (results in $OUT, default runs/attention_gpu)
-# With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py).
+# With the probe's sweep, a third arm runs triton at the sweep's fastest blockings (attention_best_blocking.py); an
+# arm `mlpbest` runs trainer.fused_mlp at the fastest blockings of $OUT/swiglu_probe.json (benchmarks/swiglu_gpu.sh).
 # PARTS (default: gpu_tests probe train), ARMS (default: flash triton best; an arm may name the weights too,
 # kernel:param_dtype, e.g. flash:float32 triton:bfloat16; without one, trainer.param_dtype's default, auto: bf16
 # weights with fp32 masters on CUDA; and overrides after '+', e.g. triton:bfloat16+trainer.fuse_linears=true, where
@@ -50,7 +51,12 @@ for i in $(seq 1 "$REPEATS"); do
         [[ $base == *:* ]] && weights="trainer.param_dtype=${base#*:}"
         weights="$weights $overrides"
         extra=""; [[ -n "${PROFILE:-}" && $i == "$REPEATS" ]] && extra="--profile"
-        if [[ $kernel == best ]]; then
+        if [[ $kernel == mlpbest ]]; then   # triton attention, trainer.fused_mlp at swiglu_probe.py's fastest blockings
+            [[ -f "$OUT/swiglu_probe.json" ]] || continue
+            PART=train run_part "train_${name}_$i" env "${env[@]}" python3 benchmarks/swiglu_probe.py --best \
+                "$OUT/swiglu_probe.json" -- bench train $TRAIN trainer.packed_attention=triton trainer.fused_mlp=true \
+                $weights $extra --json "$OUT/train_${name}_$i.json"
+        elif [[ $kernel == best ]]; then
             [[ -f "$OUT/probe.json" ]] || continue
             PART=train run_part "train_${name}_$i" env "${env[@]}" python3 benchmarks/attention_best_blocking.py "$OUT/probe.json" -- \
                 bench train $TRAIN trainer.packed_attention=triton $weights $extra --json "$OUT/train_${name}_$i.json"

@@ -27,6 +27,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("head", re.compile(r"^head_logit_")),   # the fused head's passes over the logits (turnrl/train/head_kernel.py)
     ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
     ("attention", re.compile(r"^(forward|keys|queries)$")),   # turnrl's Triton attention (turnrl/train/flash_triton.py)
+    ("swiglu", re.compile(r"^(gate_up|down_back)$")),   # the fused MLP's GEMMs (turnrl/train/swiglu_triton.py)
     ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|sm90_|sm80_|cublas|aten::(mm|addmm|bmm|matmul|linear)\b",
                           re.I)),
     # inductor's kernels: reductions (persistent or looped) and pointwise ones, casts fused in or not

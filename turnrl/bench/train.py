@@ -54,6 +54,7 @@ from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import packed_tokens, use_packed_attention
 from turnrl.train.policy import autocast_dtype, compile_layers, load_policy, trainable_parameters
+from turnrl.train.swiglu_kernel import use_fused_mlp
 from turnrl.train.trainer import settings_from
 from turnrl.train.update import logprob_pass, policy_update
 
@@ -204,6 +205,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
         model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                             cfg.model.gradient_checkpointing)
         kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
+        fused_mlps = use_fused_mlp(model) if cfg.trainer.fused_mlp else 0
         if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
             compile_layers(model, cfg.trainer.fuse_linears)
     setup_s = time.perf_counter() - t0
@@ -269,6 +271,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
             "setup_s": setup_s, **({"profile": profiled} if profiled else {}),
             "host_syncs": syncs,   # where one update / logprob pass waits for the device (CUDA only)
+            "fused_mlps": fused_mlps,                 # MLPs trainer.fused_mlp switched to turnrl/train/swiglu_kernel.py
             "fused_linear_groups": _fused_groups(),   # groups trainer.fuse_linears fused (per compiled graph)
             "flops_note": "6N: N = all base-model parameters (tied embeddings once, LoRA adapters excluded); "
                           "with attention: + 12*L*H*d_head*S per token of a row of length S (PaLM, no causal "

@@ -127,6 +127,9 @@ class TrainerConfig:
     fuse_linears: bool = False           # with compile: linears that read one input (q/k/v, gate/up, LoRA's A)
     #                                      run as one GEMM a group (turnrl/train/fuse_linears.py); off: 10 ms an
     #                                      update slower on an H100 (2026-12-07: the backward's cat costs more)
+    fused_mlp: bool = False              # SwiGLU MLPs with the activation inside their GEMMs (GPU, bf16 weights, no
+    #                                      LoRA on the MLP; turnrl/train/swiglu_kernel.py); off: its Triton GEMMs
+    #                                      made an update 14 ms slower on an H200 (2026-12-07)
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
     packed_attention: Literal["auto", "flash", "triton"] = "auto"  # packed rows' attention on GPUs: torch's
     #                                      varlen FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py);
@@ -180,6 +183,9 @@ class TrainerConfig:
                               "set 'packing: true' or remove 'packed_attention'.")
         if self.packing and self.placement != "local":
             raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "
+                              f"{self.placement}.")
+        if self.fused_mlp and self.placement != "local":
+            raise ConfigError(f"'fused_mlp' runs in the local trainer only: set 'fused_mlp' to false with placement "
                               f"{self.placement}.")
         if self.placement == "local" and (self.async_rollout or self.nodes > 1 or self.ranks > 1):
             raise ConfigError("'async_rollout', 'nodes' > 1 and 'ranks' > 1 run on Ray: set 'placement' to split "

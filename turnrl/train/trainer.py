@@ -46,6 +46,7 @@ from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, expo
                                  load_policy, trainable_parameters)
 from turnrl.train.setup import StepRecord, open_logger, resumed, set_up_run, train_data
 from turnrl.train.step import Pass, StepInputs, rollout_seed, run_step
+from turnrl.train.swiglu_kernel import use_fused_mlp
 from turnrl.train.update import UpdateSettings, logprob_pass, policy_update
 
 
@@ -81,6 +82,9 @@ def exact_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
     s = cfg.rollout.sampling
     if s.top_p < 1.0 or s.top_k > 0:
         raise ValueError("engine.exact samples from the full distribution: set rollout.sampling.top_p=1 and top_k=0")
+    if cfg.trainer.fused_mlp:
+        raise ValueError("engine.exact runs the trainer through its batch-invariant layers: set "
+                         "trainer.fused_mlp=false")
     if cfg.algo.entropy_coef > 0:
         raise ValueError("engine.exact: the entropy bonus (algo.entropy_coef > 0) needs the logits path; set it to 0")
     if cfg.model.lora.rank > 0 and cfg.model.lora.dropout > 0:
@@ -112,6 +116,8 @@ class Trainer:
         if self.settings.packing:   # before the reference copy, which then packs too
             use_packed_attention(self.policy, cfg.trainer.packed_attention)
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
+        if cfg.trainer.fused_mlp:   # after the reference copy, which keeps the model's own MLPs
+            use_fused_mlp(self.policy)
         if cfg.trainer.compile:
             compile_layers(self.policy, cfg.trainer.fuse_linears)
         self.critic = None

@@ -1,0 +1,191 @@
+"""A SwiGLU MLP whose activation runs in its GEMMs' epilogues (`trainer.fused_mlp`).
+
+A decoder layer's MLP is down(silu(gate(x)) * up(x)). Compiled as is, the activation is two memory-bound
+passes over [tokens, intermediate] tensors: the forward reads g and u and writes h = silu(g) * u; the
+backward reads dh (the down projection's input gradient, written by its GEMM), g and u and writes dg and du.
+With Qwen2.5-0.5B's shapes and 51k tokens each such tensor is 0.5 GB, and the two passes took 31 ms of an
+H100 update, at the memory's bandwidth (2026-12-07, benchmarks/results/h100_train_call_g_*).
+
+Here two Triton GEMMs carry the activation in their epilogues (`swiglu_triton`):
+
+- forward, `gate_up`: g = x Wg^T and u = x Wu^T in one program a tile (x's tile read once for both dots),
+  h = silu(g) * u from the registers: no pass re-reads g and u;
+- backward, `down_back`: dh = dy Wd in registers, then dg and du from g and u straight into one [tokens,
+  2 x intermediate] buffer: dh is never written, and since dg and du sit side by side, the input gradient
+  (dgu [Wg; Wu]) and the two weight gradients (dgu^T x) are one GEMM each, as `trainer.fuse_linears` wanted
+  without the copy that made it slower.
+
+The down projection (h Wd^T, and its weight gradient dy^T h) stays cuBLAS. The epilogues round where the
+unfused graph rounds, so the results differ from it only by the GEMMs' order of summation. Only plain
+SwiGLU MLPs take this path (bias-free nn.Linear gate/up/down, SiLU, weights and input of one 16-bit dtype,
+on CUDA, widths multiples of the blocking); others (LoRA, quantized or biased layers) keep their forward.
+
+Measured on an H200 (2026-12-07, benchmarks/results/h200_swiglu_probe_2026-12-07.json and
+h200_train_call_h_*): the saved passes are real (the update's SiLU kernels, 22 ms, are gone), but these GEMMs
+(cp.async loads and `tl.dot`, no TMA or warp specialisation) run well below cuBLAS: alone, `gate_up` takes
+1.76 ms against cuBLAS's 1.24 for the two GEMMs plus 0.57 for the SiLU pass, `down_back` 1.57 against 0.63 +
+0.90; in the update the two kernels take 82 ms where what they replace took ~66, and the update is 14 ms
+slower (0.321 s against 0.307). So `trainer.fused_mlp` is off by default; the probe
+(`benchmarks/swiglu_probe.py`) times a faster GEMM main loop against the same baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+
+from turnrl.exact.triton_build import usable_on
+
+# (rows, columns, depth a step, warps, stages) of each kernel's tile; the columns are the intermediate size's,
+# the depth the hidden size's. Built offline with Triton 3.6 both take 128 registers or fewer with 3 stages, so two
+# programs fit an SM; the fastest of the H200 sweep for `gate_up`, within 3% of the fastest for `down_back`
+GATE_UP = (128, 64, 64, 8, 3)
+DOWN_BACK = (128, 64, 64, 8, 3)
+GROUP_M = 8
+_INTERPRET = False   # tests: run the kernels on CPU tensors (under Triton's interpreter)
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    from turnrl.train import swiglu_triton as k
+    return k.gate_up, k.down_back
+
+
+def _blocking(name: str, blocking: tuple[int, ...], n: int, k: int) -> tuple[int, int, int, dict[str, int]]:
+    if len(blocking) != 5:
+        raise ValueError(f"swiglu_kernel.{name} = {blocking}: give (rows, columns, depth, warps, stages)")
+    block_m, block_n, block_k, warps, stages = blocking
+    if n % block_n or k % block_k:
+        raise ValueError(f"swiglu_kernel.{name} = {blocking}: the widths {n} and {k} must be multiples of the "
+                         "columns and the depth")
+    return block_m, block_n, block_k, {"num_warps": warps, "num_stages": stages}
+
+
+def _grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int]:
+    return (-(-m // block_m) * (n // block_n),)
+
+
+def gate_up(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(g, u, h) [M, N] for x [M, K] and wg, wu [N, K]: g = x wg^T, u = x wu^T, h = silu(g) * u."""
+    m, k = x.shape
+    n = wg.shape[0]
+    g, u, h = (x.new_empty((m, n)) for _ in range(3))
+    block_m, block_n, block_k, options = _blocking("GATE_UP", GATE_UP, n, k)
+    if m:
+        _kernels()[0][_grid(m, n, block_m, block_n)](
+            x, wg, wu, g, u, h, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+            WIDEN=not x.is_cuda, **options)
+    return g, u, h
+
+
+def down_back(dy: torch.Tensor, wd: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """dgu [M, 2N] = (dg | du) for dy [M, K], wd [K, N] and the forward's g, u [M, N]."""
+    m, k = dy.shape
+    n = wd.shape[1]
+    dgu = dy.new_empty((m, 2 * n))
+    block_m, block_n, block_k, options = _blocking("DOWN_BACK", DOWN_BACK, n, k)
+    if m:
+        _kernels()[1][_grid(m, n, block_m, block_n)](
+            dy, wd, g, u, dgu, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+            WIDEN=not dy.is_cuda, **options)
+    return dgu
+
+
+@torch.library.custom_op("turnrl::swiglu_gate_up", mutates_args=())
+def _gate_up_op(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gate_up(x, wg, wu)
+
+
+@_gate_up_op.register_fake
+def _(x, wg, wu):
+    shape = (x.shape[0], wg.shape[0])
+    return x.new_empty(shape), x.new_empty(shape), x.new_empty(shape)
+
+
+@torch.library.custom_op("turnrl::swiglu_down_back", mutates_args=())
+def _down_back_op(dy: torch.Tensor, wd: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return down_back(dy, wd, g, u)
+
+
+@_down_back_op.register_fake
+def _(dy, wd, g, u):
+    return dy.new_empty((dy.shape[0], 2 * wd.shape[1]))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """down(silu(x wg^T) * (x wu^T)) for x [M, K]; differentiable in x and the three weights."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+        g, u, h = _gate_up_op(x, wg, wu)
+        ctx.save_for_backward(x, wg, wu, wd, g, u, h)
+        return h @ wd.t()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, wg, wu, wd, g, u, h = ctx.saved_tensors
+        dy = dy.contiguous()
+        dgu = _down_back_op(dy, wd, g, u)
+        dx = dgu @ torch.cat([wg, wu])
+        dw = dgu.t() @ x
+        n = wg.shape[0]
+        return dx, dw[:n], dw[n:], dy.t() @ h
+
+
+def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """The fused MLP on x [..., K] (contiguous), weights as nn.Linear holds them: wg, wu [N, K], wd [K, N]."""
+    shape = x.shape
+    return _SwiGLU.apply(x.reshape(-1, shape[-1]), wg, wu, wd).view(*shape[:-1], wd.shape[0])
+
+
+_SILU = ("SiLU", "SiLUActivation")   # torch's and transformers' (ACT2FN["silu"])
+
+
+def _plain_linear(layer: Any) -> bool:
+    return type(layer) is torch.nn.Linear and layer.bias is None
+
+
+def fusable(mlp: Any) -> bool:
+    """Whether `mlp` is a plain SwiGLU MLP this module can run: gate_proj, up_proj, down_proj bias-free
+    nn.Linear (not LoRA- or quantization-wrapped) and a SiLU activation, widths multiples of the blocking."""
+    parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(_plain_linear(p) for p in parts) or type(getattr(mlp, "act_fn", None)).__name__ not in _SILU:
+        return False
+    gate, up, down = parts
+    n, k = gate.weight.shape
+    if up.weight.shape != (n, k) or down.weight.shape != (k, n):
+        return False
+    return n % GATE_UP[1] == 0 and n % DOWN_BACK[1] == 0 and k % GATE_UP[2] == 0 and k % DOWN_BACK[2] == 0
+
+
+def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+    if (x.is_cuda or _INTERPRET) and all(w.dtype == x.dtype for w in weights) and \
+            x.dtype in (torch.bfloat16, torch.float16):
+        return swiglu(x.contiguous(), *weights)
+    return self._turnrl_unfused_forward(x)
+
+
+def use_fused_mlp(model: Any) -> int:
+    """Run every plain SwiGLU MLP of `model`'s decoder layers through `swiglu` (before torch.compile). Inputs
+    it cannot take (CPU tensors, mixed dtypes) still go through the MLP's own forward. Returns how many MLPs
+    run fused; a model with none raises ValueError."""
+    switched = 0
+    for module in model.modules():
+        if fusable(module):
+            if not hasattr(module, "_turnrl_unfused_forward"):   # switched once, however often this runs
+                module._turnrl_unfused_forward = module.forward
+                module.forward = types.MethodType(_fused_forward, module)
+            switched += 1
+    if not switched:
+        raise ValueError("trainer.fused_mlp: the model has no plain SwiGLU MLP (bias-free gate_proj, up_proj, "
+                         "down_proj linears with SiLU; LoRA-wrapped layers are not fused); set "
+                         "trainer.fused_mlp=false")
+    return switched
+
+
+def available(device: torch.device) -> bool:
+    return usable_on(device, _kernels)
