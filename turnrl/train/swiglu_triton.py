@@ -11,16 +11,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row block, column block) of this program: GROUP_M row blocks sweep the columns together, so a group's
-    rows and the weights' columns stay in L2 while its programs run."""
+def _tile(M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """(rows, columns, depth offsets, rows inside M) of this program's tile: GROUP_M row blocks sweep the columns
+    together, so a group's rows and the weights' columns stay in L2 while its programs run."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n: tl.constexpr = N // BLOCK_N
     width = GROUP_M * n_n
     first = (pid // width) * GROUP_M
     size = tl.minimum(n_m - first, GROUP_M)
-    return first + (pid % width) % size, (pid % width) // size
+    rows = (first + (pid % width) % size) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = ((pid % width) // size) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, tl.arange(0, BLOCK_K), rows[:, None] < M
 
 
 @triton.jit
@@ -46,11 +49,7 @@ def gate_up(x_ptr, wg_ptr, wu_ptr, g_ptr, u_ptr, h_ptr, M, N: tl.constexpr, K: t
             WIDEN: tl.constexpr):
     """g = x wg^T, u = x wu^T (x [M, K], wg and wu [N, K]) and h = silu(g) * u, each [M, N]: one program a
     BLOCK_M x BLOCK_N tile of all three, x's tile read once for both dots."""
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    inside = rows[:, None] < M
+    rows, cols, ks, inside = _tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     x_at = x_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
     w_at = cols[None, :] * K + ks[:, None]            # [BLOCK_K, BLOCK_N]: the weights' rows as columns
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -81,11 +80,7 @@ def down_back(dy_ptr, wd_ptr, g_ptr, u_ptr, dgu_ptr, M, N: tl.constexpr, K: tl.c
     """The MLP's backward from dy [M, K] to its gate and up projections: dh = dy wd (wd [K, N]), then
     dg = dh * u * silu'(g) and du = dh * silu(g) into dgu [M, 2N] (dg in the first N columns, du after), in the
     unfused graph's order of operations; dh never leaves the registers."""
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    inside = rows[:, None] < M
+    rows, cols, ks, inside = _tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     dy_at = dy_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
     w_at = wd_ptr + ks[:, None] * N + cols[None, :]    # [BLOCK_K, BLOCK_N] of wd's rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
