@@ -10,7 +10,8 @@ one GPU, at the train bench's shapes (Qwen2.5-0.5B: hidden 896, intermediate 486
     PYTHONPATH=. python benchmarks/swiglu_probe.py --json OUT.json [--gate-up 128:64:64:8:4,...] [--down-back ...]
     python benchmarks/swiglu_probe.py --best OUT.json -- bench train ...   # sets the fastest, runs turnrl
 
-Blockings: rows:columns:depth:warps:stages (as `swiglu_kernel.GATE_UP`, `DOWN_BACK`). CUDA events, the median
+Blockings: rows:columns:depth:warps:stages[:tma] (as `swiglu_kernel.GATE_UP`, `DOWN_BACK`; tma 1: the kernels that
+move tiles with tensor descriptors). CUDA events, the median
 of --repeats after warm-up.
 """
 
@@ -145,8 +146,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=51412)
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--intermediate", type=int, default=4864)
-    p.add_argument("--gate-up", default="128:64:64:8:3,128:64:64:8:4,128:64:64:8:2,64:64:64:4:3,128:128:64:8:3")
-    p.add_argument("--down-back", default="128:64:64:8:3,128:128:64:8:3,128:128:64:8:4,128:64:64:4:4,64:128:64:4:3")
+    p.add_argument("--gate-up", default="128:64:64:8:3,128:64:64:8:4,128:128:64:8:3,128:64:64:8:3:1,128:64:64:8:4:1,"
+                                        "128:128:64:8:3:1")
+    p.add_argument("--down-back", default="128:64:64:8:3,128:128:64:8:4,64:128:64:4:3,128:64:64:8:3:1,128:128:64:8:3:1,"
+                                          "128:128:64:8:4:1")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -43,7 +43,8 @@ def error(got, want):
 
 
 @needs_triton
-@pytest.mark.parametrize("blockings", [(SMALL, SMALL), ((32, 64, 16, 4, 1), (16, 32, 32, 4, 1))])
+@pytest.mark.parametrize("blockings", [(SMALL, SMALL), ((32, 64, 16, 4, 1), (16, 32, 32, 4, 1)),
+                                       ((32, 64, 16, 4, 1, 1), (16, 32, 32, 4, 1, 1))])   # tensor descriptors
 def test_output_and_gradients_equal_the_unfused_mlp(interpreted, monkeypatch, blockings):
     """70 rows (a partial row block), float32: equal to float64 to float32's rounding; bf16: as close to float64
     as the unfused bf16 MLP is."""
@@ -80,6 +81,21 @@ def test_the_epilogues_round_where_the_unfused_graph_rounds(interpreted, monkeyp
     dg, du = torch.autograd.grad(torch.nn.functional.silu(gr) * ur, (gr, ur), dh)
     for got, ref in ((dgu[:, :64], dg), (dgu[:, 64:], du)):
         assert torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=1e-6)
+
+
+@needs_triton
+def test_tensor_descriptors_move_the_same_tiles(interpreted, monkeypatch):
+    """The TMA kernels (a sixth blocking entry 1) give the pointer kernels' bits, a partial row block included."""
+    (x, wg, wu, wd), dy = case(70, 64, 128, torch.bfloat16, seed=3)
+    x, wg, wu, wd = (t.detach() for t in (x, wg, wu, wd))
+    results = []
+    for tma in (0, 1):
+        monkeypatch.setattr(sk, "GATE_UP", (32, 32, 16, 4, 1, tma))
+        monkeypatch.setattr(sk, "DOWN_BACK", (32, 64, 32, 4, 1, tma))
+        g, u, h = sk.gate_up(x, wg, wu)
+        results.append((g, u, h, sk.down_back(dy, wd, g, u)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @needs_triton
@@ -139,6 +155,9 @@ def test_blockings_that_do_not_divide_the_widths_are_refused(monkeypatch):
     monkeypatch.setattr(sk, "DOWN_BACK", (32, 32, 16, 4))
     with pytest.raises(ValueError, match="warps, stages"):
         sk.down_back(torch.zeros(4, 32), torch.zeros(32, 64), torch.zeros(4, 64), torch.zeros(4, 64))
+    monkeypatch.setattr(sk, "DOWN_BACK", (32, 32, 16, 4, 1, 1, 0))
+    with pytest.raises(ValueError, match="tma"):
+        sk.down_back(torch.zeros(4, 32), torch.zeros(32, 64), torch.zeros(4, 64), torch.zeros(4, 64))
 
 
 def test_the_config_key_and_its_limits():
@@ -171,8 +190,14 @@ def test_on_the_gpu_it_is_as_close_to_float32_as_the_compiled_mlp():
     want = outputs(unfused, [t.detach().float().requires_grad_() for t in leaves], dy.float())
     want = [w.double() for w in want]
     fused = torch.compile(sk.swiglu, dynamic=True)
-    got, plain = outputs(fused, leaves, dy), outputs(torch.compile(unfused, dynamic=True), leaves, dy)
+    plain = outputs(torch.compile(unfused, dynamic=True), leaves, dy)
+    got = outputs(fused, leaves, dy)
     for a, b, ref in zip(got, plain, want):
         assert error(a, ref) < max(1.5 * error(b, ref), 2 ** -9)
     for a, b in zip(outputs(fused, leaves, dy), got):
         assert torch.equal(a, b)
+    with pytest.MonkeyPatch.context() as patch:   # tensor descriptors (TMA): the same tiles, the same bits
+        patch.setattr(sk, "GATE_UP", (*sk.GATE_UP[:5], 1))
+        patch.setattr(sk, "DOWN_BACK", (*sk.DOWN_BACK[:5], 1))
+        for a, b in zip(outputs(fused, leaves, dy), got):
+            assert torch.equal(a, b)

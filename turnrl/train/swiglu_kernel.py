@@ -39,9 +39,11 @@ import torch
 
 from turnrl.exact.triton_build import usable_on
 
-# (rows, columns, depth a step, warps, stages) of each kernel's tile; the columns are the intermediate size's,
-# the depth the hidden size's. Built offline with Triton 3.6 both take 128 registers or fewer with 3 stages, so two
-# programs fit an SM; the fastest of the H200 sweep for `gate_up`, within 3% of the fastest for `down_back`
+# (rows, columns, depth a step, warps, stages[, tma]) of each kernel's tile; the columns are the intermediate
+# size's, the depth the hidden size's; a sixth entry 1 moves the tiles with tensor descriptors (TMA on Hopper)
+# instead of pointer loads. Built offline with Triton 3.6 both pointer kernels take 128 registers or fewer with 3
+# stages, so two programs fit an SM; the fastest of the H200 sweep for `gate_up`, within 3% of the fastest for
+# `down_back` (the TMA kernels are built and tested, not yet timed on a GPU)
 GATE_UP = (128, 64, 64, 8, 3)
 DOWN_BACK = (128, 64, 64, 8, 3)
 GROUP_M = 8
@@ -49,19 +51,28 @@ _INTERPRET = False   # tests: run the kernels on CPU tensors (under Triton's int
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> dict[str, Any]:
     from turnrl.train import swiglu_triton as k
-    return k.gate_up, k.down_back
+    return {"gate_up": k.gate_up, "down_back": k.down_back, "gate_up_tma": k.gate_up_tma,
+            "down_back_tma": k.down_back_tma}
 
 
-def _blocking(name: str, blocking: tuple[int, ...], n: int, k: int) -> tuple[int, int, int, dict[str, int]]:
-    if len(blocking) != 5:
-        raise ValueError(f"swiglu_kernel.{name} = {blocking}: give (rows, columns, depth, warps, stages)")
-    block_m, block_n, block_k, warps, stages = blocking
+def _blocking(name: str, blocking: tuple[int, ...], n: int, k: int) -> tuple[int, int, int, bool, dict[str, int]]:
+    """(rows, columns, depth, tma, launch options) of a kernel's blocking, checked against the widths."""
+    if len(blocking) not in (5, 6):
+        raise ValueError(f"swiglu_kernel.{name} = {blocking}: give (rows, columns, depth, warps, stages) and "
+                         "optionally tma (1: tensor descriptors)")
+    block_m, block_n, block_k, warps, stages = blocking[:5]
     if n % block_n or k % block_k:
         raise ValueError(f"swiglu_kernel.{name} = {blocking}: the widths {n} and {k} must be multiples of the "
                          "columns and the depth")
-    return block_m, block_n, block_k, {"num_warps": warps, "num_stages": stages}
+    return block_m, block_n, block_k, len(blocking) == 6 and bool(blocking[5]), \
+        {"num_warps": warps, "num_stages": stages}
+
+
+def _descriptors(tensors: list[torch.Tensor], blocks: list[list[int]]) -> list[Any]:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return [TensorDescriptor.from_tensor(t, block) for t, block in zip(tensors, blocks)]
 
 
 def _grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int]:
@@ -73,10 +84,14 @@ def gate_up(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> tuple[torch.
     m, k = x.shape
     n = wg.shape[0]
     g, u, h = (x.new_empty((m, n)) for _ in range(3))
-    block_m, block_n, block_k, options = _blocking("GATE_UP", GATE_UP, n, k)
+    block_m, block_n, block_k, tma, options = _blocking("GATE_UP", GATE_UP, n, k)
     if m:
-        _kernels()[0][_grid(m, n, block_m, block_n)](
-            x, wg, wu, g, u, h, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+        args = [x, wg, wu, g, u, h]
+        if tma:
+            args = _descriptors(args, [[block_m, block_k], [block_n, block_k], [block_n, block_k]] +
+                                [[block_m, block_n]] * 3)
+        _kernels()["gate_up_tma" if tma else "gate_up"][_grid(m, n, block_m, block_n)](
+            *args, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
             WIDEN=not x.is_cuda, **options)
     return g, u, h
 
@@ -86,10 +101,13 @@ def down_back(dy: torch.Tensor, wd: torch.Tensor, g: torch.Tensor, u: torch.Tens
     m, k = dy.shape
     n = wd.shape[1]
     dgu = dy.new_empty((m, 2 * n))
-    block_m, block_n, block_k, options = _blocking("DOWN_BACK", DOWN_BACK, n, k)
+    block_m, block_n, block_k, tma, options = _blocking("DOWN_BACK", DOWN_BACK, n, k)
     if m:
-        _kernels()[1][_grid(m, n, block_m, block_n)](
-            dy, wd, g, u, dgu, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+        args = [dy, wd, g, u, dgu]
+        if tma:
+            args = _descriptors(args, [[block_m, block_k], [block_k, block_n]] + [[block_m, block_n]] * 3)
+        _kernels()["down_back_tma" if tma else "down_back"][_grid(m, n, block_m, block_n)](
+            *args, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
             WIDEN=not dy.is_cuda, **options)
     return dgu
 

@@ -11,19 +11,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          GROUP_M: tl.constexpr):
-    """(rows, columns, depth offsets, rows inside M) of this program's tile: GROUP_M row blocks sweep the columns
-    together, so a group's rows and the weights' columns stay in L2 while its programs run."""
+def _offsets(M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(first row, first column) of this program's tile: GROUP_M row blocks sweep the columns together, so a
+    group's rows and the weights' columns stay in L2 while its programs run."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n: tl.constexpr = N // BLOCK_N
     width = GROUP_M * n_n
     first = (pid // width) * GROUP_M
     size = tl.minimum(n_m - first, GROUP_M)
-    rows = (first + (pid % width) % size) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = ((pid % width) // size) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rows, cols, tl.arange(0, BLOCK_K), rows[:, None] < M
+    return (first + (pid % width) % size) * BLOCK_M, ((pid % width) // size) * BLOCK_N
+
+
+@triton.jit
+def _tile(M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """(rows, columns, depth offsets, rows inside M) of this program's tile (`_offsets`)."""
+    first_row, first_col = _offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    return rows, first_col + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K), rows[:, None] < M
 
 
 @triton.jit
@@ -41,6 +47,27 @@ def _round(x, dtype: tl.constexpr, WIDEN: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, dtype: tl.constexpr, WIDEN: tl.constexpr):
+    """(g, u, h = silu(g) * u) in `dtype` from the float32 accumulators, rounded as the unfused graph rounds."""
+    g = _round(acc_g, dtype, WIDEN)
+    u = _round(acc_u, dtype, WIDEN)
+    s = _round(_silu(g.to(tl.float32)), dtype, WIDEN)
+    return g, u, _round(s.to(tl.float32) * u.to(tl.float32), dtype, WIDEN)
+
+
+@triton.jit
+def _down_back_epilogue(acc, g, u, dtype: tl.constexpr, WIDEN: tl.constexpr):
+    """(dg, du) in `dtype` from dh's float32 accumulator and the forward's g and u, in the unfused graph's order
+    of operations and roundings."""
+    g = g.to(tl.float32)
+    dh = _round(acc, dtype, WIDEN).to(tl.float32)
+    du = _round(dh * _round(_silu(g), dtype, WIDEN).to(tl.float32), dtype, WIDEN)
+    dhu = _round(dh * u.to(tl.float32), dtype, WIDEN).to(tl.float32)
+    sig = tl.sigmoid(g)
+    return _round(dhu * sig * (g * (1.0 - sig) + 1.0), dtype, WIDEN), du
 
 
 @triton.jit
@@ -62,11 +89,7 @@ def gate_up(x_ptr, wg_ptr, wu_ptr, g_ptr, u_ptr, h_ptr, M, N: tl.constexpr, K: t
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g = tl.dot(x, wg, acc_g)
         acc_u = tl.dot(x, wu, acc_u)
-    dtype: tl.constexpr = g_ptr.dtype.element_ty
-    g = _round(acc_g, dtype, WIDEN)
-    u = _round(acc_u, dtype, WIDEN)
-    s = _round(_silu(g.to(tl.float32)), dtype, WIDEN)
-    h = _round(s.to(tl.float32) * u.to(tl.float32), dtype, WIDEN)
+    g, u, h = _gate_up_epilogue(acc_g, acc_u, g_ptr.dtype.element_ty, WIDEN)
     out = rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(g_ptr + out, g, mask=inside)
     tl.store(u_ptr + out, u, mask=inside)
@@ -90,15 +113,52 @@ def down_back(dy_ptr, wd_ptr, g_ptr, u_ptr, dgu_ptr, M, N: tl.constexpr, K: tl.c
         if WIDEN:
             dy, w = dy.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(dy, w, acc)
-    dtype: tl.constexpr = dgu_ptr.dtype.element_ty
     at = rows[:, None].to(tl.int64) * N + cols[None, :]
-    g = tl.load(g_ptr + at, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + at, mask=inside, other=0.0).to(tl.float32)
-    dh = _round(acc, dtype, WIDEN).to(tl.float32)
-    du = _round(dh * _round(_silu(g), dtype, WIDEN).to(tl.float32), dtype, WIDEN)
-    dhu = _round(dh * u, dtype, WIDEN).to(tl.float32)
-    sig = tl.sigmoid(g)
-    dg = _round(dhu * sig * (g * (1.0 - sig) + 1.0), dtype, WIDEN)
+    g = tl.load(g_ptr + at, mask=inside, other=0.0)
+    u = tl.load(u_ptr + at, mask=inside, other=0.0)
+    dg, du = _down_back_epilogue(acc, g, u, dgu_ptr.dtype.element_ty, WIDEN)
     out = rows[:, None].to(tl.int64) * (2 * N) + cols[None, :]
     tl.store(dgu_ptr + out, dg, mask=inside)
     tl.store(dgu_ptr + out + N, du, mask=inside)
+
+
+@triton.jit
+def gate_up_tma(x_desc, wg_desc, wu_desc, g_desc, u_desc, h_desc, M, N: tl.constexpr, K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                WIDEN: tl.constexpr):
+    """`gate_up` with its tiles moved by tensor descriptors (TMA on Hopper): rows past M load as zeros and are
+    not stored."""
+    first_row, first_col = _offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = x_desc.load([first_row, k])
+        wg = wg_desc.load([first_col, k])
+        wu = wu_desc.load([first_col, k])
+        if WIDEN:
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_g = tl.dot(x, wg.T, acc_g)
+        acc_u = tl.dot(x, wu.T, acc_u)
+    g, u, h = _gate_up_epilogue(acc_g, acc_u, g_desc.dtype, WIDEN)
+    g_desc.store([first_row, first_col], g)
+    u_desc.store([first_row, first_col], u)
+    h_desc.store([first_row, first_col], h)
+
+
+@triton.jit
+def down_back_tma(dy_desc, wd_desc, g_desc, u_desc, dgu_desc, M, N: tl.constexpr, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  WIDEN: tl.constexpr):
+    """`down_back` with its tiles moved by tensor descriptors (TMA on Hopper)."""
+    first_row, first_col = _offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        dy = dy_desc.load([first_row, k])
+        w = wd_desc.load([k, first_col])
+        if WIDEN:
+            dy, w = dy.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(dy, w, acc)
+    dg, du = _down_back_epilogue(acc, g_desc.load([first_row, first_col]), u_desc.load([first_row, first_col]),
+                                 dgu_desc.dtype, WIDEN)
+    dgu_desc.store([first_row, first_col], dg)
+    dgu_desc.store([first_row, N + first_col], du)
