@@ -84,6 +84,22 @@ def test_the_epilogues_round_where_the_unfused_graph_rounds(interpreted, monkeyp
 
 
 @needs_triton
+def test_frozen_weights_get_no_gradient_work(interpreted, monkeypatch):
+    """Weights that do not require grad (LoRA on other layers) get None, the rest the same values as before."""
+    monkeypatch.setattr(sk, "GATE_UP", SMALL)
+    monkeypatch.setattr(sk, "DOWN_BACK", SMALL)
+    leaves, dy = case(40, 32, 64, torch.float32, seed=4)
+    full = outputs(sk.swiglu, leaves, dy)
+    x, wg, wu, wd = leaves
+    for w in (wg, wu, wd):
+        w.requires_grad_(False)
+        w.grad = None
+    x.grad = None
+    sk.swiglu(x, wg, wu, wd).backward(dy)
+    assert torch.equal(x.grad, full[1]) and wg.grad is None and wu.grad is None and wd.grad is None
+
+
+@needs_triton
 def test_tensor_descriptors_move_the_same_tiles(interpreted, monkeypatch):
     """The TMA kernels (a sixth blocking entry 1) give the pointer kernels' bits, a partial row block included."""
     (x, wg, wu, wd), dy = case(70, 64, 128, torch.bfloat16, seed=3)

@@ -21,12 +21,13 @@ SwiGLU MLPs take this path (bias-free nn.Linear gate/up/down, SiLU, weights and 
 on CUDA, widths multiples of the blocking); others (LoRA, quantized or biased layers) keep their forward.
 
 Measured on an H200 (2026-12-07, benchmarks/results/h200_swiglu_probe_2026-12-07.json and
-h200_train_call_h_*): the saved passes are real (the update's SiLU kernels, 22 ms, are gone), but these GEMMs
-(cp.async loads and `tl.dot`, no TMA or warp specialisation) run well below cuBLAS: alone, `gate_up` takes
-1.76 ms against cuBLAS's 1.24 for the two GEMMs plus 0.57 for the SiLU pass, `down_back` 1.57 against 0.63 +
-0.90; in the update the two kernels take 82 ms where what they replace took ~66, and the update is 14 ms
-slower (0.321 s against 0.307). So `trainer.fused_mlp` is off by default; the probe
-(`benchmarks/swiglu_probe.py`) times a faster GEMM main loop against the same baseline.
+h200_train_call_h_*): the saved passes are real (the update's SiLU kernels, 22 ms, are gone), but the GEMMs
+measured (cp.async pointer loads and `tl.dot`, no TMA or warp specialisation) run well below cuBLAS: alone,
+`gate_up` takes 1.76 ms against cuBLAS's 1.24 for the two GEMMs plus 0.57 for the SiLU pass, `down_back` 1.57
+against 0.63 + 0.90; in the update the two kernels take 82 ms where what they replace took ~66, and the update
+is 14 ms slower (0.321 s against 0.307). So `trainer.fused_mlp` is off by default. Kernels that move their
+tiles with tensor descriptors (TMA) are built beside them (a sixth blocking entry), for the probe
+(`benchmarks/swiglu_probe.py`) to time against the same baseline.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ import types
 from typing import Any
 
 import torch
-
-from turnrl.exact.triton_build import usable_on
 
 # (rows, columns, depth a step, warps, stages[, tma]) of each kernel's tile; the columns are the intermediate
 # size's, the depth the hidden size's; a sixth entry 1 moves the tiles with tensor descriptors (TMA on Hopper)
@@ -145,12 +144,14 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         x, wg, wu, wd, g, u, h = ctx.saved_tensors
+        need_x, need_wg, need_wu, need_wd = ctx.needs_input_grad
         dy = dy.contiguous()
         dgu = _down_back_op(dy, wd, g, u)
-        dx = dgu @ torch.cat([wg, wu])
-        dw = dgu.t() @ x
+        dx = dgu @ torch.cat([wg, wu]) if need_x else None
+        dw = dgu.t() @ x if need_wg or need_wu else None   # frozen weights (LoRA elsewhere): no weight GEMMs
         n = wg.shape[0]
-        return dx, dw[:n], dw[n:], dy.t() @ h
+        return (dx, dw[:n] if need_wg else None, dw[n:] if need_wu else None,
+                dy.t() @ h if need_wd else None)
 
 
 def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
@@ -204,6 +205,3 @@ def use_fused_mlp(model: Any) -> int:
                          "trainer.fused_mlp=false")
     return switched
 
-
-def available(device: torch.device) -> bool:
-    return usable_on(device, _kernels)
