@@ -21,13 +21,12 @@ import time
 
 import torch
 
-from turnrl.bench.train import model_directory, synthetic_rows
+from turnrl.bench.train import bench_policy, synthetic_rows
 from turnrl.config import load_config
 from turnrl.train import update as up
 from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
-from turnrl.train.packing import use_packed_attention
-from turnrl.train.policy import autocast_dtype, compile_layers, load_policy
+from turnrl.train.policy import autocast_dtype, trainable_parameters
 from turnrl.train.trainer import settings_from
 
 DEFAULTS = ["model.name=qwen2.5-0.5b-shape", "model.lora.rank=0", "trainer.compile=true", "trainer.packing=true",
@@ -86,12 +85,9 @@ def main() -> None:
     device = torch.device("cuda")
     settings = settings_from(cfg, device)
     amp = autocast_dtype(cfg.trainer.dtype, device)
-    with model_directory(cfg.model.name) as model_dir:
-        model = load_policy(str(model_dir), device)
-    use_packed_attention(model, cfg.trainer.packed_attention)
-    compile_layers(model, cfg.trainer.fuse_linears)
-    master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)
-    params = master.masters if master else list(model.parameters())
+    model, _, _ = bench_policy(cfg, device, settings)
+    master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)   # as the bench and trainer
+    params = master.masters if master else trainable_parameters(model)
     optimizer, scheduler = build_optimizer(params, cfg.trainer.optim, 100, master)
     rows = synthetic_rows(64, 1024, model.config.vocab_size, device, 0, 0.5, 0.5, 3, cfg.rollout.n)
     generator = torch.Generator().manual_seed(0)

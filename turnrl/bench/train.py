@@ -191,6 +191,20 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB, the whole process
 
 
+def bench_policy(cfg: Config, device: torch.device, settings: Any) -> tuple[Any, str | None, int]:
+    """(model, packed-attention kernel or None, MLPs fused) of `cfg.model.name`, set up as the trainer sets its
+    policy up: loaded, packed attention, fused MLPs, compiled layers (before the optimizer)."""
+    lora = cfg.model.lora
+    with model_directory(cfg.model.name) as model_dir:
+        model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
+                            cfg.model.gradient_checkpointing)
+        kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
+        fused_mlps = use_fused_mlp(model) if cfg.trainer.fused_mlp else 0
+        if cfg.trainer.compile:
+            compile_layers(model, cfg.trainer.fuse_linears)
+    return model, kernel, fused_mlps
+
+
 def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int, warmup: int = 1,
                 peak_tflops: float | None = None, min_fraction: float = 0.5, prompt_fraction: float = 0.5,
                 turns: int = 3, seed: int = 0, profile: bool = False) -> dict[str, Any]:
@@ -199,15 +213,8 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     device = resolve_device(cfg.trainer.device)
     settings = settings_from(cfg, device)
     amp = autocast_dtype(cfg.trainer.dtype, device)
-    lora = cfg.model.lora
     t0 = time.perf_counter()
-    with model_directory(cfg.model.name) as model_dir:
-        model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
-                            cfg.model.gradient_checkpointing)
-        kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
-        fused_mlps = use_fused_mlp(model) if cfg.trainer.fused_mlp else 0
-        if cfg.trainer.compile:   # as the trainer does: after loading, before the optimizer
-            compile_layers(model, cfg.trainer.fuse_linears)
+    model, kernel, fused_mlps = bench_policy(cfg, device, settings)
     setup_s = time.perf_counter() - t0
     master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)   # as the trainer
     params = master.masters if master else trainable_parameters(model)
@@ -278,7 +285,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
                           "discount); executed: 6*N_body per token + the LM head where it runs + causal "
                           "attention 12*L*H*d_head*(i+1) for the token at position i (the keys it attends); "
                           "tokens are real (unpadded) tokens; with LoRA the work done is nearer 4N",
-            "config": {"model": cfg.model.name, "lora": to_dict(lora), "batch": batch, "seq_len": seq_len,
+            "config": {"model": cfg.model.name, "lora": to_dict(cfg.model.lora), "batch": batch, "seq_len": seq_len,
                        "min_fraction": min_fraction, "prompt_fraction": prompt_fraction, "turns": turns,
                        "group": cfg.rollout.n, "steps": steps, "repeats": repeats, "warmup": warmup,
                        "device": str(device), "autocast": str(amp).removeprefix("torch.") if amp else "float32",
