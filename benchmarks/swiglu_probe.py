@@ -20,25 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import runpy
-import statistics
 import sys
 
 import torch
 
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` runs (after three warm-ups)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from turnrl.bench.common import event_ms as timed
 
 
 def error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -55,6 +55,22 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
+def event_ms(fn: Any, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds of fn() on the current CUDA stream over `repeats` runs after `warmup` ones (CUDA
+    events: host launch time counts where the device waits for it)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def graph_ms(fn: Any, repeats: int = 50, calls: int = 1, warmup: int = 1, stream: Any = None) -> float:
     """Median ms per call of `fn` on a CUDA device: `calls` calls captured in one CUDA graph (as the fast engine
     runs its step, so host launch time is not counted), replayed `repeats` times after `warmup` plain calls."""

@@ -50,6 +50,7 @@ from turnrl.models import resolve
 from turnrl.observe.gc_heap import freeze_heap, gc_pauses
 from turnrl.train import flash_kernel
 from turnrl.train.batching import Rows, micro_batches
+from turnrl.train.fused_projections import use_fused_projections
 from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import packed_tokens, use_packed_attention
@@ -191,18 +192,19 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB -> GiB, the whole process
 
 
-def bench_policy(cfg: Config, device: torch.device, settings: Any) -> tuple[Any, str | None, int]:
-    """(model, packed-attention kernel or None, MLPs fused) of `cfg.model.name`, set up as the trainer sets its
-    policy up: loaded, packed attention, fused MLPs, compiled layers (before the optimizer)."""
+def bench_policy(cfg: Config, device: torch.device, settings: Any) -> tuple[Any, str | None, dict[str, Any]]:
+    """(model, packed-attention kernel or None, what was fused) of `cfg.model.name`, set up as the trainer sets its
+    policy up: loaded, packed attention, fused MLPs or projections, compiled layers (before the optimizer)."""
     lora = cfg.model.lora
     with model_directory(cfg.model.name) as model_dir:
         model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                             cfg.model.gradient_checkpointing)
         kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
-        fused_mlps = use_fused_mlp(model) if cfg.trainer.fused_mlp else 0
+        fused = {"fused_mlps": use_fused_mlp(model) if cfg.trainer.fused_mlp else 0,
+                 "fused_projections": use_fused_projections(model) if cfg.trainer.fused_projections else {}}
         if cfg.trainer.compile:
             compile_layers(model, cfg.trainer.fuse_linears)
-    return model, kernel, fused_mlps
+    return model, kernel, fused
 
 
 def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int, warmup: int = 1,
@@ -214,7 +216,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
     settings = settings_from(cfg, device)
     amp = autocast_dtype(cfg.trainer.dtype, device)
     t0 = time.perf_counter()
-    model, kernel, fused_mlps = bench_policy(cfg, device, settings)
+    model, kernel, fused = bench_policy(cfg, device, settings)
     setup_s = time.perf_counter() - t0
     master = master_weights([model], cfg.trainer.param_dtype, amp, settings.exact)   # as the trainer
     params = master.masters if master else trainable_parameters(model)
@@ -278,7 +280,7 @@ def bench_train(cfg: Config, batch: int, seq_len: int, steps: int, repeats: int,
             "model": counts, "peak_tflops": peak_tflops, "peak_memory_gb": _peak_memory_gb(device),
             "setup_s": setup_s, **({"profile": profiled} if profiled else {}),
             "host_syncs": syncs,   # where one update / logprob pass waits for the device (CUDA only)
-            "fused_mlps": fused_mlps,                 # MLPs trainer.fused_mlp switched to turnrl/train/swiglu_kernel.py
+            **fused,   # MLPs trainer.fused_mlp switched (swiglu_kernel.py); attentions and MLPs fused_projections did
             "fused_linear_groups": _fused_groups(),   # groups trainer.fuse_linears fused (per compiled graph)
             "flops_note": "6N: N = all base-model parameters (tied embeddings once, LoRA adapters excluded); "
                           "with attention: + 12*L*H*d_head*S per token of a row of length S (PaLM, no causal "

@@ -130,6 +130,9 @@ class TrainerConfig:
     fused_mlp: bool = False              # SwiGLU MLPs with the activation inside their GEMMs (GPU, bf16 weights, no
     #                                      LoRA on the MLP; turnrl/train/swiglu_kernel.py); off: its Triton GEMMs
     #                                      made an update 14 ms slower on an H200 (2026-12-07)
+    fused_projections: bool = False      # q/k/v and gate/up as one GEMM each, rotary and SwiGLU in kernels that
+    #                                      write the fused gradients whole (GPU, 16-bit weights, no LoRA on them;
+    #                                      attention with packed_attention triton; turnrl/train/fused_projections.py)
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
     packed_attention: Literal["auto", "flash", "triton"] = "auto"  # packed rows' attention on GPUs: torch's
     #                                      varlen FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py);
@@ -184,6 +187,11 @@ class TrainerConfig:
         if self.packing and self.placement != "local":
             raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "
                               f"{self.placement}.")
+        if self.fused_projections and self.placement != "local":
+            raise ConfigError("'fused_projections' runs in the local trainer only: set 'fused_projections' to false "
+                              f"with placement {self.placement}.")
+        if self.fused_projections and self.fused_mlp:
+            raise ConfigError("'fused_projections' and 'fused_mlp' both replace the MLP: set one of them to false.")
         if self.fused_mlp and self.placement != "local":
             raise ConfigError(f"'fused_mlp' runs in the local trainer only: set 'fused_mlp' to false with placement "
                               f"{self.placement}.")

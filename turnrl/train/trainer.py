@@ -37,6 +37,7 @@ from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.dynamic_sampling import collect_step, shape_overlong
 from turnrl.train.batching import Rows
+from turnrl.train.fused_projections import use_fused_projections
 from turnrl.train.host_memory import retain_for_training
 from turnrl.train.metrics import accuracy_of
 from turnrl.train.master import master_weights
@@ -82,9 +83,10 @@ def exact_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
     s = cfg.rollout.sampling
     if s.top_p < 1.0 or s.top_k > 0:
         raise ValueError("engine.exact samples from the full distribution: set rollout.sampling.top_p=1 and top_k=0")
-    if cfg.trainer.fused_mlp:
-        raise ValueError("engine.exact runs the trainer through its batch-invariant layers: set "
-                         "trainer.fused_mlp=false")
+    for key in ("fused_mlp", "fused_projections"):
+        if getattr(cfg.trainer, key):
+            raise ValueError(f"engine.exact runs the trainer through its batch-invariant layers: set "
+                             f"trainer.{key}=false")
     if cfg.algo.entropy_coef > 0:
         raise ValueError("engine.exact: the entropy bonus (algo.entropy_coef > 0) needs the logits path; set it to 0")
     if cfg.model.lora.rank > 0 and cfg.model.lora.dropout > 0:
@@ -118,6 +120,8 @@ class Trainer:
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
         if cfg.trainer.fused_mlp:   # after the reference copy, which keeps the model's own MLPs
             use_fused_mlp(self.policy)
+        if cfg.trainer.fused_projections:   # the same
+            use_fused_projections(self.policy)
         if cfg.trainer.compile:
             compile_layers(self.policy, cfg.trainer.fuse_linears)
         self.critic = None
