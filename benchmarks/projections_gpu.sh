@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The fused projections (trainer.fused_projections, turnrl/train/fused_projections.py) on one GPU call: their GPU
-# test, the probe (benchmarks/projection_probe.py: each side against the compiled separate projections, each kernel
-# alone), then the train bench's arms through benchmarks/attention_gpu.sh (default: off and on), with a profile of
-# one update each.
+# The fused projections (trainer.fused_projections, turnrl/train/fused_projections.py) and the master AdamW step
+# (trainer.optim.fused_master_step, turnrl/train/master_adamw.py) on one GPU call: their GPU tests, the projection
+# probe (benchmarks/projection_probe.py: each side against the compiled separate projections, each kernel alone),
+# then the train bench's arms through benchmarks/attention_gpu.sh (default: neither, each, both), with a profile of
+# one update each (~8 minutes on an H200).
 #   OUT=runs/projections_gpu bash benchmarks/projections_gpu.sh   (ARMS, REPEATS, STEP_TIMEOUT, CLOCKS as
 #   attention_gpu.sh)
 set -u -o pipefail
@@ -10,10 +11,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TURNRL_HOME=$PWD/.devcache HF_HUB_OFFL
 OUT=${OUT:-runs/projections_gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_fused_projections.py \
-    > "$OUT/projection_tests.log" 2>&1
-echo "== fused projections gpu test: $(tail -1 "$OUT/projection_tests.log")"
+    tests/train/test_master_adamw.py > "$OUT/projection_tests.log" 2>&1
+echo "== gpu tests: $(tail -1 "$OUT/projection_tests.log")"
 timeout "${PROBE_TIMEOUT:-150}" python3 benchmarks/projection_probe.py --json "$OUT/projection_probe.json" \
     > "$OUT/projection_probe.log" 2>&1
 echo "== projection probe: rc=$?"; grep -E "^(attention|mlp|kernels) " "$OUT/projection_probe.log" | cut -c1-600
 OUT=$OUT PARTS=train REPEATS=${REPEATS:-1} PROFILE=1 \
-    ARMS="${ARMS:-triton:bfloat16 triton:bfloat16+trainer.fused_projections=true}" bash benchmarks/attention_gpu.sh
+    ARMS="${ARMS:-triton:bfloat16 triton:bfloat16+trainer.fused_projections=true \
+triton:bfloat16+trainer.optim.fused_master_step=true \
+triton:bfloat16+trainer.fused_projections=true+trainer.optim.fused_master_step=true}" bash benchmarks/attention_gpu.sh

@@ -31,6 +31,9 @@ from turnrl.cli import main
     ("queries", "attention"),
     ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", "optimizer"),
     ("Optimizer.step#AdamW.step", "optimizer"),
+    ("adamw", "optimizer"),    # turnrl's master AdamW (turnrl/train/adamw_triton.py)
+    ("rotary_merge", "fused_elementwise"),   # the fused projections' passes (turnrl/train/projection_triton.py)
+    ("swiglu_back", "fused_elementwise"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("triton_poi_fused__unsafe_view_mul_silu_9", "fused_elementwise"),
     ("triton_red_fused_amax_exp_sub_sum_0", "reduction"),

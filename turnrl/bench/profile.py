@@ -28,6 +28,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention", re.I)),
     ("attention", re.compile(r"^(forward|keys|queries)$")),   # turnrl's Triton attention (turnrl/train/flash_triton.py)
     ("swiglu", re.compile(r"^(gate_up|down_back)$")),   # the fused MLP's GEMMs (turnrl/train/swiglu_triton.py)
+    # the fused projections' passes (turnrl/train/projection_triton.py)
+    ("fused_elementwise", re.compile(r"^(rotary_split|rotary_merge|swiglu|swiglu_back)$")),
     ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|sm90_|sm80_|cublas|aten::(mm|addmm|bmm|matmul|linear)\b",
                           re.I)),
     # inductor's kernels: reductions (persistent or looped) and pointwise ones, casts fused in or not

@@ -101,6 +101,8 @@ class OptimConfig:
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+    fused_master_step: bool = False      # GPU with param_dtype bfloat16: AdamW on the fp32 masters writes the bf16
+    #                                      weights in the same kernel (turnrl/train/master_adamw.py); else torch's
 
     def validate(self) -> None:
         positive("lr", self.lr)

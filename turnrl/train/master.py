@@ -114,12 +114,16 @@ class MasterWeights:
             master.grad = grad
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """After each `optimizer.step()` (over `masters`), the weights take the new masters."""
+        """After each `optimizer.step()` (over `masters`), the weights take the new masters (a
+        `turnrl.train.master_adamw.MasterAdamW` writes them in its step)."""
         ids = {id(m) for m in self.masters}
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if stepped != ids:
             raise ValueError("the optimizer must step exactly the master weights (build it over `masters`)")
-        optimizer.register_step_post_hook(lambda *_: self.push())
+        if hasattr(optimizer, "write_weights_of"):   # turnrl.train.master_adamw: its step writes the weights
+            optimizer.write_weights_of(self.masters, self.weights, self.push)
+        else:
+            optimizer.register_step_post_hook(lambda *_: self.push())
 
     @torch.no_grad()
     def push(self) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from turnrl.config.schema import OptimConfig
 from turnrl.train.master import MasterWeights
+from turnrl.train.master_adamw import MasterAdamW
 
 
 def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Callable[[int], float]:
@@ -25,12 +26,14 @@ def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Calla
 def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_steps: int,
                     master: MasterWeights | None = None) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW over `params` and its schedule; with `master` (`params` are then its fp32 masters) each step is
-    followed by the copy of the masters into the bf16 weights."""
+    followed by the copy of the masters into the bf16 weights, or on GPUs with `o.fused_master_step` writes them
+    itself (`turnrl.train.master_adamw`)."""
     if not params:
         raise ValueError("the model has no trainable parameters")
     fused = all(p.is_cuda for p in params)  # one kernel for all parameters on GPUs
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay,
-                                  fused=fused or None)
+    kind = MasterAdamW if master is not None and fused and o.fused_master_step else torch.optim.AdamW
+    optimizer = kind(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay,
+                     fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(o.warmup_steps, total_steps, o.schedule, o.min_lr_ratio))
     if master is not None:

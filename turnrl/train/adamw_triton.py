@@ -1,0 +1,57 @@
+"""The Triton kernel of `turnrl.train.master_adamw`: one AdamW step over many tensors, writing the 16-bit weights.
+
+Imported only when the kernel is first used: importing it needs Triton. Each program takes one chunk of one
+tensor; the tensors are reached through tables of their addresses (as a multi-tensor apply), so one launch
+steps every parameter. The arithmetic is torch's fused AdamW's (ATen's fused_adam_utils), in float32.
+"""
+
+import triton
+import triton.language as tl
+
+from turnrl.train.swiglu_triton import _round
+
+
+@triton.jit
+def _at(table, i, dtype: tl.constexpr):
+    return tl.load(table + i).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def adamw(chunk_tensor, chunk_start, master_t, grad_t, avg_t, sq_t, weight_t, step_t, numel_t, scale_ptr, lr,
+          beta1, beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, GRAD: tl.constexpr, WEIGHT: tl.constexpr,
+          CHUNK: tl.constexpr, BLOCK: tl.constexpr, WIDEN: tl.constexpr):
+    """Chunk `program_id` of tensor `chunk_tensor[pid]` from `chunk_start[pid]`: master (float32), its gradient
+    (GRAD, divided by *scale_ptr with HAS_SCALE), exp_avg and exp_avg_sq (float32) stepped in place at the tensor's
+    step count (already incremented), and the master rounded to nearest into the weight (WEIGHT; WIDEN: the
+    interpreter, whose conversion to bf16 truncates)."""
+    pid = tl.program_id(0)
+    i = tl.load(chunk_tensor + pid)
+    start = tl.load(chunk_start + pid)
+    n = tl.load(numel_t + i)
+    master = _at(master_t, i, tl.float32)
+    grad = _at(grad_t, i, GRAD)
+    avg = _at(avg_t, i, tl.float32)
+    sq = _at(sq_t, i, tl.float32)
+    weight = _at(weight_t, i, WEIGHT)
+    step = tl.load(_at(step_t, i, tl.float32))
+    correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+    step_size = lr / correction1
+    scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
+    for offset in range(0, CHUNK, BLOCK):
+        idx = start + offset + tl.arange(0, BLOCK)
+        live = idx < n
+        p = tl.load(master + idx, mask=live, other=0.0)
+        g = tl.load(grad + idx, mask=live, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g / scale
+        m = tl.load(avg + idx, mask=live, other=0.0)
+        v = tl.load(sq + idx, mask=live, other=0.0)
+        p = p - lr * weight_decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p - step_size * m / (tl.sqrt(v) / correction2_sqrt + eps)
+        tl.store(master + idx, p, mask=live)
+        tl.store(avg + idx, m, mask=live)
+        tl.store(sq + idx, v, mask=live)
+        tl.store(weight + idx, _round(p, WEIGHT, WIDEN), mask=live)
