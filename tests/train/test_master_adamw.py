@@ -58,8 +58,9 @@ def run(optimizer_kind, steps=3, scales=(None, 2.5, None), lrs=(1e-2, 5e-3, 2e-2
 @needs_triton
 def test_the_kernel_steps_as_torch_adamw_and_writes_the_weights(interpreted, monkeypatch):
     """Three steps (weight decay, a clip factor on one, the learning rate changed between them), tensors over
-    several chunks: masters and moments equal torch's AdamW to float32 rounding (a few units in the last place), the step counts equal, and the
-    bf16 weights are the masters rounded to nearest (what the masters' copy writes)."""
+    several chunks: masters and moments equal torch's AdamW to float32 rounding (a few units in the last place),
+    the step counts equal, and the bf16 weights are the masters rounded to nearest (what the masters' copy
+    writes)."""
     monkeypatch.setattr(ma, "_INTERPRET", True)
     monkeypatch.setattr(ma, "CHUNK", 2048)
     monkeypatch.setattr(ma, "BLOCK", 256)

@@ -69,8 +69,8 @@ class MasterAdamW(torch.optim.AdamW):
         return loss
 
     def _runs(self, group: dict[str, Any], params: list[torch.Tensor]) -> bool:
-        if group["amsgrad"] or group["maximize"] or group.get("differentiable") or isinstance(group["lr"], torch.Tensor) \
-                or getattr(self, "found_inf", None) is not None:
+        if group["amsgrad"] or group["maximize"] or group.get("differentiable") or \
+                isinstance(group["lr"], torch.Tensor) or getattr(self, "found_inf", None) is not None:
             return False
         weights = [self._weight_of.get(id(p)) for p in params]
         if any(w is None for w in weights):
