@@ -96,6 +96,26 @@ def test_where_the_kernel_cannot_run_torch_steps_and_the_weights_follow():
 
 
 @needs_triton
+def test_a_gradient_off_the_16_byte_grid_takes_torchs_step(interpreted, monkeypatch):
+    """The kernel reads 16 bytes at a time: a gradient that starts 4 bytes into its storage leaves the step to
+    torch (and the masters' copy), with the same result."""
+    monkeypatch.setattr(ma, "_INTERPRET", True)
+    calls = []
+    kernel = ma._kernel()
+    monkeypatch.setattr(ma, "_kernel", lambda: calls.append(1) or kernel)
+    net = model()
+    master = MasterWeights([net])
+    optimizer = ma.MasterAdamW(master.masters, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    master.attach(optimizer)
+    for m, g in zip(master.masters, grads(0)):
+        m.grad = torch.cat([torch.zeros(1), g.flatten()])[1:].view_as(g)
+    optimizer.step()
+    assert not calls and all(torch.equal(w, m.bfloat16()) for w, m in zip(master.weights, master.masters))
+    reference = run(torch.optim.AdamW, steps=1, scales=(None,))
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(master.masters, reference[0]))
+
+
+@needs_triton
 def test_its_state_loads_into_torch_adamw_and_back(interpreted, monkeypatch):
     """The state after fused steps is torch's: a torch AdamW loaded from it takes the next step as the fused one
     does."""

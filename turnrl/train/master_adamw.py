@@ -75,9 +75,12 @@ class MasterAdamW(torch.optim.AdamW):
         weights = [self._weight_of.get(id(p)) for p in params]
         if any(w is None for w in weights):
             return False
-        return all((p.is_cuda or _INTERPRET) and p.dtype == torch.float32 and p.is_contiguous() and
-                   p.grad.is_contiguous() and w.is_contiguous() and w.shape == p.shape and w.device == p.device
-                   for p, w in zip(params, weights)) and \
+        states = [self.state.get(p, {}) for p in params]
+        aligned = all(t.data_ptr() % 16 == 0 for p, w, s in zip(params, weights, states)
+                      for t in (p, p.grad, w, *(s[k] for k in ("exp_avg", "exp_avg_sq") if k in s)))
+        return aligned and all((p.is_cuda or _INTERPRET) and p.dtype == torch.float32 and p.is_contiguous() and
+                               p.grad.is_contiguous() and w.is_contiguous() and w.shape == p.shape and
+                               w.device == p.device for p, w in zip(params, weights)) and \
             len({p.grad.dtype for p in params}) <= 1 and len({w.dtype for w in weights}) <= 1 and \
             all(w.dtype in _WEIGHTS for w in weights)
 
