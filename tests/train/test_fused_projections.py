@@ -163,25 +163,30 @@ def test_which_modules_it_takes():
         fp.use_fused_projections(lora)
 
 
-def test_the_config_key_and_its_limits():
-    assert load_config(None, ["trainer.fused_projections=true"]).trainer.fused_projections is True
-    with pytest.raises(ConfigError, match="fused_projections"):
-        load_config(None, ["trainer.fused_projections=true", "trainer.placement=split"])
-    with pytest.raises(ConfigError, match="fused_mlp"):
-        load_config(None, ["trainer.fused_projections=true", "trainer.fused_mlp=true"])
+@pytest.mark.parametrize("key", ["fused_projections", "fused_mlp"])
+def test_the_config_keys_and_their_limits(key):
+    assert getattr(load_config(None, [f"trainer.{key}=true"]).trainer, key) is True
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [f"trainer.{key}=true", "trainer.placement=split"])
     from turnrl.train.trainer import exact_dtype
-    cfg = load_config(None, ["trainer.fused_projections=true", "engine.exact=true", "rollout.sampling.top_p=1"])
-    with pytest.raises(ValueError, match="fused_projections=false"):
+    cfg = load_config(None, [f"trainer.{key}=true", "engine.exact=true", "rollout.sampling.top_p=1"])
+    with pytest.raises(ValueError, match=f"{key}=false"):
         exact_dtype(cfg, torch.device("cpu"))
 
 
-def test_bench_train_reports_the_modules_it_fused(tmp_path):
+def test_fused_projections_and_fused_mlp_exclude_each_other():
+    with pytest.raises(ConfigError, match="set one of them to false"):
+        load_config(None, ["trainer.fused_projections=true", "trainer.fused_mlp=true"])
+
+
+@pytest.mark.parametrize("key,field,fused", [("fused_projections", "fused_projections", {"attention": 2, "mlp": 2}),
+                                             ("fused_mlp", "fused_mlps", 2)])
+def test_bench_train_reports_what_it_fused(tmp_path, key, field, fused):
     out = tmp_path / "train.json"
     assert main(["bench", "train", "--model", "tiny-shape", "--batch", "2", "--seq-len", "16", "--steps", "1",
-                 "--repeats", "1", "--lora-rank", "0", "--json", str(out), "trainer.fused_projections=true"]) == 0
+                 "--repeats", "1", "--lora-rank", "0", "--json", str(out), f"trainer.{key}=true"]) == 0
     report = json.loads(out.read_text())
-    assert report["fused_projections"] == {"attention": 2, "mlp": 2}
-    assert report["config"]["trainer"]["fused_projections"] is True
+    assert report[field] == fused and report["config"]["trainer"][key] is True
 
 
 def with_triton_attention(run):

@@ -2,14 +2,11 @@
 through Triton's interpreter; which MLPs it takes; the config's checks; on a GPU against the compiled unfused MLP."""
 
 import importlib.util
-import json
 
 import pytest
 import torch
 
 from turnrl.bench.train import SHAPES
-from turnrl.cli import main
-from turnrl.config import ConfigError, load_config
 from turnrl.train import swiglu_kernel as sk
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -174,24 +171,6 @@ def test_blockings_that_do_not_divide_the_widths_are_refused(monkeypatch):
     monkeypatch.setattr(sk, "DOWN_BACK", (32, 32, 16, 4, 1, 1, 0))
     with pytest.raises(ValueError, match="tma"):
         sk.down_back(torch.zeros(4, 32), torch.zeros(32, 64), torch.zeros(4, 64), torch.zeros(4, 64))
-
-
-def test_the_config_key_and_its_limits():
-    assert load_config(None, ["trainer.fused_mlp=true"]).trainer.fused_mlp is True
-    with pytest.raises(ConfigError, match="fused_mlp"):
-        load_config(None, ["trainer.fused_mlp=true", "trainer.placement=split"])
-    from turnrl.train.trainer import exact_dtype
-    cfg = load_config(None, ["trainer.fused_mlp=true", "engine.exact=true", "rollout.sampling.top_p=1"])
-    with pytest.raises(ValueError, match="fused_mlp=false"):
-        exact_dtype(cfg, torch.device("cpu"))
-
-
-def test_bench_train_reports_the_mlps_it_fused(tmp_path):
-    out = tmp_path / "train.json"
-    assert main(["bench", "train", "--model", "tiny-shape", "--batch", "2", "--seq-len", "16", "--steps", "1",
-                 "--repeats", "1", "--lora-rank", "0", "--json", str(out), "trainer.fused_mlp=true"]) == 0
-    report = json.loads(out.read_text())
-    assert report["fused_mlps"] == 2 and report["config"]["trainer"]["fused_mlp"] is True
 
 
 @pytest.mark.gpu

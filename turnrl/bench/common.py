@@ -60,15 +60,17 @@ def event_ms(fn: Any, repeats: int, warmup: int = 3) -> float:
     events: host launch time counts where the device waits for it)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median([_timed_once(fn) for _ in range(repeats)])
+
+
+def _timed_once(fn: Any) -> float:
+    """Milliseconds of one fn() on the current stream, between two CUDA events."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
 
 
 def graph_ms(fn: Any, repeats: int = 50, calls: int = 1, warmup: int = 1, stream: Any = None) -> float:
@@ -84,13 +86,6 @@ def graph_ms(fn: Any, repeats: int = 50, calls: int = 1, warmup: int = 1, stream
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             for _ in range(calls):
                 fn()
-        times = []
-        for _ in range(repeats):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / calls)
+        times = [_timed_once(graph.replay) / calls for _ in range(repeats)]
     del graph
     return sorted(times)[len(times) // 2]
