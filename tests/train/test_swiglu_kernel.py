@@ -1,5 +1,5 @@
 """The fused SwiGLU MLP (`trainer.fused_mlp`): its Triton kernels against float64 and the unfused MLP on the CPU
-through Triton's interpreter; which MLPs it takes; the config's checks; on a GPU against the compiled unfused MLP."""
+through Triton's interpreter; which MLPs it takes; on a GPU against the compiled unfused MLP."""
 
 import importlib.util
 
