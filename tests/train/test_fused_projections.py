@@ -151,7 +151,7 @@ def test_which_modules_it_takes():
     assert layer.self_attn.forward.__func__ is fp._fused_attention and layer.mlp.forward.__func__ is fp._fused_mlp
     assert torch.equal(model(input_ids=ids).logits, want)
     layer.mlp.act_fn = torch.nn.GELU()
-    assert not fp.mlp_fusable(layer.mlp)
+    assert not fp.plain_swiglu(layer.mlp)
     layer.self_attn.q_norm = torch.nn.Identity()
     assert not fp.attention_fusable(layer.self_attn)
     del layer.self_attn.q_norm

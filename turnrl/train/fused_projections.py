@@ -30,18 +30,17 @@ Built and tested on CPUs (Triton's interpreter); not yet timed on a GPU.
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
 
 from turnrl.train import flash_kernel
 from turnrl.train.packing import ATTENTION
+from turnrl.train.swiglu_kernel import plain_linear, plain_swiglu, runs_fused, switch_forward
 
 ROTARY_TOKENS = 64                 # tokens a rotary program (one head each)
 SWIGLU_BLOCK = (8, 256, 4)         # (tokens, columns, warps) of a SwiGLU program
 _INTERPRET = False                 # tests: run the kernels on CPU tensors (under Triton's interpreter)
-_HALF = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -179,20 +178,11 @@ def _swiglu_grad(ctx: Any, dh: torch.Tensor) -> torch.Tensor:
 _swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
 
 
-def _plain(layer: Any, bias: bool | None = False) -> bool:
-    """An nn.Linear as such (not LoRA- or quantization-wrapped); `bias` None: with or without one."""
-    return type(layer) is torch.nn.Linear and (bias is None or (layer.bias is not None) == bias)
-
-
-def _runs_here(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-    return (x.is_cuda or _INTERPRET) and x.dtype in _HALF and all(w.dtype == x.dtype for w in weights)
-
-
 def attention_fusable(attn: Any) -> bool:
     """Whether `attn` is a Llama-style attention this module can run: plain q/k/v/o nn.Linear (q, k, v all with
     biases or none), no per-head norms (Qwen3's q_norm) and no sliding window."""
     parts = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(_plain(p, None) for p in parts) or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
+    if not all(plain_linear(p, None) for p in parts) or not hasattr(attn, "head_dim") or not hasattr(attn, "scaling"):
         return False
     if len({p.bias is None for p in parts[:3]}) != 1 or hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         return False
@@ -202,15 +192,6 @@ def attention_fusable(attn: Any) -> bool:
     dim = attn.head_dim
     q, k, v = (p.weight.shape[0] for p in parts[:3])
     return q % dim == 0 and k == v and k % dim == 0 and (q // dim) % (k // dim) == 0 and not dim & (dim - 1)
-
-
-def mlp_fusable(mlp: Any) -> bool:
-    """Whether `mlp` is a plain SwiGLU MLP: bias-free gate_proj, up_proj, down_proj nn.Linear and SiLU."""
-    parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(_plain(p) for p in parts) or type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU",
-                                                                                                "SiLUActivation"):
-        return False
-    return parts[0].weight.shape == parts[1].weight.shape
 
 
 def _cat(layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -225,7 +206,7 @@ def _fused_attention(self: Any, hidden_states: torch.Tensor, position_embeddings
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or past_key_values is not None or position_embeddings is None or hidden_states.shape[0] != 1 \
             or self.config._attn_implementation != f"{ATTENTION}_triton" \
-            or not _runs_here(hidden_states, [p.weight for p in parts]) \
+            or not runs_fused(hidden_states, [p.weight for p in parts], _INTERPRET) \
             or (self.training and getattr(self, "attention_dropout", 0.0)):
         return self._turnrl_unfused_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
                                             **kwargs)
@@ -241,17 +222,11 @@ def _fused_attention(self: Any, hidden_states: torch.Tensor, position_embeddings
 
 def _fused_mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
     parts = [self.gate_proj, self.up_proj]
-    if not _runs_here(x, [p.weight for p in parts] + [self.down_proj.weight]):
+    if not runs_fused(x, [p.weight for p in parts] + [self.down_proj.weight], _INTERPRET):
         return self._turnrl_unfused_forward(x)
     y = torch.nn.functional.linear(x, _cat(parts)[0])
     h = _swiglu_op(y.reshape(-1, y.shape[-1]))
     return self.down_proj(h.view(*x.shape[:-1], h.shape[-1]))
-
-
-def _switch(module: Any, forward: Any) -> None:
-    if not hasattr(module, "_turnrl_unfused_forward"):   # switched once, however often this runs
-        module._turnrl_unfused_forward = module.forward
-        module.forward = types.MethodType(forward, module)
 
 
 def use_fused_projections(model: Any) -> dict[str, int]:
@@ -261,10 +236,10 @@ def use_fused_projections(model: Any) -> dict[str, int]:
     counts = {"attention": 0, "mlp": 0}
     for module in model.modules():
         if attention_fusable(module):
-            _switch(module, _fused_attention)
+            switch_forward(module, _fused_attention)
             counts["attention"] += 1
-        elif mlp_fusable(module):
-            _switch(module, _fused_mlp)
+        elif plain_swiglu(module):
+            switch_forward(module, _fused_mlp)
             counts["mlp"] += 1
     if not any(counts.values()):
         raise ValueError("trainer.fused_projections: the model has no Llama-style attention (plain q/k/v/o linears, "

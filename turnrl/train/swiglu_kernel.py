@@ -161,29 +161,51 @@ def swiglu(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
 
 
 _SILU = ("SiLU", "SiLUActivation")   # torch's and transformers' (ACT2FN["silu"])
+_HALF = (torch.bfloat16, torch.float16)
 
 
-def _plain_linear(layer: Any) -> bool:
-    return type(layer) is torch.nn.Linear and layer.bias is None
+def plain_linear(layer: Any, bias: bool | None = False) -> bool:
+    """An nn.Linear as such (not LoRA- or quantization-wrapped); `bias` None: with or without one."""
+    return type(layer) is torch.nn.Linear and (bias is None or (layer.bias is not None) == bias)
 
 
-def fusable(mlp: Any) -> bool:
-    """Whether `mlp` is a plain SwiGLU MLP this module can run: gate_proj, up_proj, down_proj bias-free
-    nn.Linear (not LoRA- or quantization-wrapped) and a SiLU activation, widths multiples of the blocking."""
+def plain_swiglu(mlp: Any) -> bool:
+    """Whether `mlp` is a plain SwiGLU MLP: gate_proj, up_proj, down_proj bias-free nn.Linear of matching
+    widths and a SiLU activation."""
     parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(_plain_linear(p) for p in parts) or type(getattr(mlp, "act_fn", None)).__name__ not in _SILU:
+    if not all(plain_linear(p) for p in parts) or type(getattr(mlp, "act_fn", None)).__name__ not in _SILU:
         return False
     gate, up, down = parts
     n, k = gate.weight.shape
-    if up.weight.shape != (n, k) or down.weight.shape != (k, n):
+    return up.weight.shape == (n, k) and down.weight.shape == (k, n)
+
+
+def fusable(mlp: Any) -> bool:
+    """Whether `mlp` is a plain SwiGLU MLP (`plain_swiglu`) this module can run: widths multiples of the
+    blocking."""
+    if not plain_swiglu(mlp):
         return False
+    n, k = mlp.gate_proj.weight.shape
     return n % GATE_UP[1] == 0 and n % DOWN_BACK[1] == 0 and k % GATE_UP[2] == 0 and k % DOWN_BACK[2] == 0
+
+
+def runs_fused(x: torch.Tensor, weights: Any, interpret: bool) -> bool:
+    """Whether a fused module's kernels take `x`: on CUDA (or `interpret`: tests under Triton's interpreter), a
+    16-bit dtype that every one of `weights` shares."""
+    return (x.is_cuda or interpret) and x.dtype in _HALF and all(w.dtype == x.dtype for w in weights)
+
+
+def switch_forward(module: Any, forward: Any) -> None:
+    """`forward` (a function of the module) becomes `module`'s, its own kept as `_turnrl_unfused_forward` for the
+    inputs the fused one does not take; once a module, however often called."""
+    if not hasattr(module, "_turnrl_unfused_forward"):
+        module._turnrl_unfused_forward = module.forward
+        module.forward = types.MethodType(forward, module)
 
 
 def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-    if (x.is_cuda or _INTERPRET) and all(w.dtype == x.dtype for w in weights) and \
-            x.dtype in (torch.bfloat16, torch.float16):
+    if runs_fused(x, weights, _INTERPRET):
         return swiglu(x.contiguous(), *weights)
     return self._turnrl_unfused_forward(x)
 
@@ -195,9 +217,7 @@ def use_fused_mlp(model: Any) -> int:
     switched = 0
     for module in model.modules():
         if fusable(module):
-            if not hasattr(module, "_turnrl_unfused_forward"):   # switched once, however often this runs
-                module._turnrl_unfused_forward = module.forward
-                module.forward = types.MethodType(_fused_forward, module)
+            switch_forward(module, _fused_forward)
             switched += 1
     if not switched:
         raise ValueError("trainer.fused_mlp: the model has no plain SwiGLU MLP (bias-free gate_proj, up_proj, "
