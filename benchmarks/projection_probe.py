@@ -7,7 +7,8 @@ separate ones on one GPU, at the train bench's shapes (Qwen2.5-0.5B: hidden 896,
   compiles the layer) against one GEMM and `rotary_split` / `rotary_merge`;
 - MLP side: x -> h = silu(x Wg^T) * (x Wu^T), forward and backward: compiled against one GEMM and `swiglu` /
   `swiglu_back`;
-- each of the four kernels alone, with the bytes it moves over its time;
+- each of the four kernels alone, with the bytes it moves over its time, and the rotary kernels at the
+  blockings of --rotary (tokens a program, warps, heads on the grid's first axis);
 - the error of each side's outputs and gradients against float32 (max |difference| / max |reference|).
 
     PYTHONPATH=. python benchmarks/projection_probe.py --json OUT.json [--repeats 20]
@@ -114,11 +115,33 @@ def kernels(t: int, repeats: int) -> dict:
     return out
 
 
+def rotary_blockings(t: int, blockings: list[tuple[int, int, bool]], repeats: int) -> dict:
+    """rotary_split and rotary_merge at each (tokens, warps, heads first) of `fused_projections.ROTARY`: ms."""
+    from turnrl.train import fused_projections as fp
+    heads, kv, dim = 14, 2, 64
+    y = torch.randn(t, (heads + 2 * kv) * dim, device="cuda", dtype=torch.bfloat16)
+    cos, sin = (torch.rand(t, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    default, out = fp.ROTARY, {}
+    try:
+        for blocking in blockings:
+            fp.ROTARY = blocking
+            q, k, v = fp.rotary_split(y, cos, sin, heads, kv)
+            out[":".join(str(int(x)) for x in blocking)] = {
+                "split_ms": event_ms(lambda: fp.rotary_split(y, cos, sin, heads, kv), repeats),
+                "merge_ms": event_ms(lambda: fp.rotary_merge(q, k, v, cos, sin), repeats)}
+    finally:
+        fp.ROTARY = default
+    print("rotary", json.dumps(out))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=51456)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--rotary", default="64:4:0,64:4:1,128:4:1,128:8:1,32:4:1,256:8:1",
+                   help="blockings of the rotary kernels to time: tokens:warps:heads-first, comma-separated")
     args = p.parse_args()
     torch.manual_seed(0)
     t, hidden, inter = args.tokens, 896, 4864
@@ -138,7 +161,9 @@ def main() -> None:
     mlp = side("mlp", {"separate": separate_mlp, "fused": fused_mlp},
                [x, weight(inter, hidden), weight(inter, hidden)], [], args.repeats)
     report = {"benchmark": "projection_probe", "tokens": t, "attention": attention, "mlp": mlp,
-              "kernels": kernels(t, args.repeats), "machine": machine_info()}
+              "kernels": kernels(t, args.repeats), "machine": machine_info(),
+              "rotary_blockings": rotary_blockings(t, [tuple(int(x) for x in b.split(":")) for b in
+                                                       args.rotary.split(",")], args.repeats)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -16,7 +16,8 @@ echo "== gpu tests: $(tail -1 "$OUT/projection_tests.log")"
 timeout "${PROBE_TIMEOUT:-150}" python3 benchmarks/projection_probe.py --json "$OUT/projection_probe.json" \
     > "$OUT/projection_probe.log" 2>&1
 echo "== projection probe: rc=$?"; grep -E "^(attention|mlp|kernels) " "$OUT/projection_probe.log" | cut -c1-600
+# both are on by default (auto) since 2026-12-08: the first arm turns both off, the last is the default
+OFF=trainer.fused_projections=off+trainer.optim.fused_master_step=off
 OUT=$OUT PARTS=train REPEATS=${REPEATS:-1} PROFILE=1 \
-    ARMS="${ARMS:-triton:bfloat16 triton:bfloat16+trainer.fused_projections=true \
-triton:bfloat16+trainer.optim.fused_master_step=true \
-triton:bfloat16+trainer.fused_projections=true+trainer.optim.fused_master_step=true}" bash benchmarks/attention_gpu.sh
+    ARMS="${ARMS:-triton:bfloat16+$OFF triton:bfloat16+trainer.optim.fused_master_step=off \
+triton:bfloat16+trainer.fused_projections=off triton:bfloat16}" bash benchmarks/attention_gpu.sh

@@ -42,9 +42,11 @@ def angles(t, dim, dtype, seed=0):
 
 @needs_triton
 @pytest.mark.parametrize("heads,kv,dim,t", [(4, 2, 16, 70), (7, 1, 32, 129)])
-def test_rotary_split_and_merge_give_eager_bits(interpreted, heads, kv, dim, t):
+@pytest.mark.parametrize("blocking", [fp.ROTARY, (128, 8, True)])
+def test_rotary_split_and_merge_give_eager_bits(interpreted, monkeypatch, heads, kv, dim, t, blocking):
     """bf16: q, k, v equal eager transformers' rotary, and rotary_merge equals autograd's gradient of it, bit for
-    bit (a partial token block included)."""
+    bit (a partial token block included), whichever blocking and grid order the launch takes."""
+    monkeypatch.setattr(fp, "ROTARY", blocking)
     g = torch.Generator().manual_seed(heads)
     y = torch.randn(t, (heads + 2 * kv) * dim, generator=g).bfloat16()
     cos, sin = angles(t, dim, torch.bfloat16)
@@ -159,13 +161,43 @@ def test_which_modules_it_takes():
     assert not fp.attention_fusable(layer.self_attn)
     from peft import LoraConfig, get_peft_model
     lora = get_peft_model(tiny_model(torch.float32), LoraConfig(r=4, target_modules="all-linear"))
-    with pytest.raises(ValueError, match="fused_projections=false"):
+    with pytest.raises(ValueError, match="fused_projections to auto or off"):
         fp.use_fused_projections(lora)
+    assert fp.use_fused_projections(lora, required=False) == {"attention": 0, "mlp": 0}   # auto: left alone
 
 
-@pytest.mark.parametrize("key", ["fused_projections", "fused_mlp"])
-def test_the_config_keys_and_their_limits(key):
-    assert getattr(load_config(None, [f"trainer.{key}=true"]).trainer, key) is True
+def test_auto_switches_where_the_kernels_run():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fp.projections_wanted("auto", cuda, torch.bfloat16, False, False)
+    assert fp.projections_wanted("auto", cuda, torch.float16, False, False)
+    assert not fp.projections_wanted("auto", cpu, torch.bfloat16, False, False)
+    assert not fp.projections_wanted("auto", cuda, torch.float32, False, False)   # fp32 weights under autocast
+    assert not fp.projections_wanted("auto", cuda, torch.bfloat16, True, False)   # engine.exact
+    assert not fp.projections_wanted("auto", cuda, torch.bfloat16, False, True)   # fused_mlp takes the MLPs
+    assert fp.projections_wanted("on", cpu, torch.float32, False, False)         # then use_fused_projections checks
+    assert not fp.projections_wanted("off", cuda, torch.bfloat16, False, False)
+
+
+def test_the_trainer_switches_by_the_key(monkeypatch):
+    """`use_fused_modules` as the trainer and the bench call it: auto leaves a CPU model alone and on switches
+    it; auto on a CUDA device with bf16 weights switches (the device is only named here: nothing runs on it)."""
+    from turnrl.train.trainer import use_fused_modules
+
+    def switched(overrides, device="cpu"):
+        model = tiny_model(torch.float32)
+        return use_fused_modules(model, load_config(None, overrides), torch.device(device), None)
+
+    assert load_config(None, []).trainer.fused_projections == "auto"
+    assert switched([]) == {"fused_mlps": 0, "fused_projections": {}}
+    assert switched(["trainer.fused_projections=on"])["fused_projections"] == {"attention": 2, "mlp": 2}
+    assert switched(["trainer.fused_projections=off"], "cuda")["fused_projections"] == {}
+    assert switched([], "cuda")["fused_projections"] == {"attention": 2, "mlp": 2}
+    assert switched(["trainer.param_dtype=float32"], "cuda")["fused_projections"] == {}
+
+
+@pytest.mark.parametrize("key,on", [("fused_projections", "on"), ("fused_mlp", True)])
+def test_the_config_keys_and_their_limits(key, on):
+    assert getattr(load_config(None, [f"trainer.{key}=true"]).trainer, key) == on   # YAML true is on
     with pytest.raises(ConfigError, match=key):
         load_config(None, [f"trainer.{key}=true", "trainer.placement=split"])
     from turnrl.train.trainer import exact_dtype
@@ -174,9 +206,18 @@ def test_the_config_keys_and_their_limits(key):
         exact_dtype(cfg, torch.device("cpu"))
 
 
-def test_fused_projections_and_fused_mlp_exclude_each_other():
-    with pytest.raises(ConfigError, match="set one of them to false"):
-        load_config(None, ["trainer.fused_projections=true", "trainer.fused_mlp=true"])
+def test_auto_gives_way_where_on_is_an_error():
+    """fused_projections auto with fused_mlp, split placement or engine.exact: no error (it stays off there);
+    on: each is an error that names the fix."""
+    from turnrl.train.trainer import exact_dtype
+    with pytest.raises(ConfigError, match="set 'fused_projections' to auto or off, or 'fused_mlp' to false"):
+        load_config(None, ["trainer.fused_projections=on", "trainer.fused_mlp=true"])
+    assert load_config(None, ["trainer.fused_mlp=true"]).trainer.fused_projections == "auto"
+    assert load_config(None, ["trainer.placement=split"]).trainer.fused_projections == "auto"
+    cfg = load_config(None, ["engine.exact=true", "rollout.sampling.top_p=1"])
+    assert exact_dtype(cfg, torch.device("cpu")) is not None
+    with pytest.raises(ConfigError, match="must be one of 'auto', 'on', 'off'"):
+        load_config(None, ["trainer.fused_projections=yes please"])
 
 
 @pytest.mark.parametrize("key,field,fused", [("fused_projections", "fused_projections", {"attention": 2, "mlp": 2}),
@@ -186,7 +227,7 @@ def test_bench_train_reports_what_it_fused(tmp_path, key, field, fused):
     assert main(["bench", "train", "--model", "tiny-shape", "--batch", "2", "--seq-len", "16", "--steps", "1",
                  "--repeats", "1", "--lora-rank", "0", "--json", str(out), f"trainer.{key}=true"]) == 0
     report = json.loads(out.read_text())
-    assert report[field] == fused and report["config"]["trainer"][key] is True
+    assert report[field] == fused and report["config"]["trainer"][key] in (True, "on")
 
 
 def with_triton_attention(run):

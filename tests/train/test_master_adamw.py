@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from turnrl.config import load_config
+from turnrl.config import ConfigError, load_config
 from turnrl.config.train import OptimConfig
 from turnrl.train import master_adamw as ma
 from turnrl.train.master import MasterWeights
@@ -140,15 +140,24 @@ def test_its_state_loads_into_torch_adamw_and_back(interpreted, monkeypatch):
 
 
 def test_the_config_key_picks_it_on_gpus_only():
-    assert load_config(None, ["trainer.optim.fused_master_step=true"]).trainer.optim.fused_master_step is True
+    """auto (the default): torch's AdamW and the copy hook on CPU parameters; on: an error there, and with fp32
+    weights (no masters), and with the Ray ranks (which keep FSDP2's masters)."""
+    assert load_config(None, []).trainer.optim.fused_master_step == "auto"
+    assert load_config(None, ["trainer.optim.fused_master_step=true"]).trainer.optim.fused_master_step == "on"
+    with pytest.raises(ConfigError, match="fused_master_step: on"):
+        load_config(None, ["trainer.optim.fused_master_step=on", "trainer.placement=split"])
     net = model()
     master = MasterWeights([net])
-    optimizer, _ = build_optimizer(master.masters, OptimConfig(fused_master_step=True), 10, master)
+    optimizer, _ = build_optimizer(master.masters, OptimConfig(), 10, master)
     assert type(optimizer) is torch.optim.AdamW   # CPU parameters: torch's, with the copy hook
     for m, g in zip(master.masters, grads(0)):
         m.grad = g
     optimizer.step()
     assert all(torch.equal(w, m.bfloat16()) for w, m in zip(master.weights, master.masters))
+    with pytest.raises(ValueError, match="parameters are not on a GPU: set it to auto"):
+        build_optimizer(master.masters, OptimConfig(fused_master_step="on"), 10, master)
+    with pytest.raises(ValueError, match="the weights are fp32: set it to auto"):
+        build_optimizer(list(model().parameters()), OptimConfig(fused_master_step="on"), 10)
 
 
 @pytest.mark.gpu
@@ -165,7 +174,7 @@ def test_on_the_gpu_it_steps_as_torch_fused_adamw():
         master = MasterWeights([net])
         optimizer, _ = build_optimizer(master.masters, OptimConfig(lr=1e-3, weight_decay=0.1,
                                                                    fused_master_step=fused_master_step), 10, master)
-        assert (type(optimizer) is ma.MasterAdamW) == fused_master_step
+        assert (type(optimizer) is ma.MasterAdamW) == (fused_master_step == "auto")
         for step in range(3):
             g = torch.Generator(device="cuda").manual_seed(step)
             for m in master.masters:
@@ -173,7 +182,7 @@ def test_on_the_gpu_it_steps_as_torch_fused_adamw():
             clip_and_step(optimizer, master.masters, 1.0)
         return master, optimizer
 
-    (m1, o1), (m2, o2) = go(True), go(False)
+    (m1, o1), (m2, o2) = go("auto"), go("off")
     for a, b in zip(m1.masters, m2.masters):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
         for key in ("exp_avg", "exp_avg_sq"):

@@ -50,13 +50,11 @@ from turnrl.models import resolve
 from turnrl.observe.gc_heap import freeze_heap, gc_pauses
 from turnrl.train import flash_kernel
 from turnrl.train.batching import Rows, micro_batches
-from turnrl.train.fused_projections import use_fused_projections
 from turnrl.train.master import master_weights
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import packed_tokens, use_packed_attention
 from turnrl.train.policy import autocast_dtype, compile_layers, load_policy, trainable_parameters
-from turnrl.train.swiglu_kernel import use_fused_mlp
-from turnrl.train.trainer import settings_from
+from turnrl.train.trainer import settings_from, use_fused_modules
 from turnrl.train.update import logprob_pass, policy_update
 
 # Random-init models of published configs (no download). Keys are AutoConfig.for_model arguments.
@@ -200,8 +198,7 @@ def bench_policy(cfg: Config, device: torch.device, settings: Any) -> tuple[Any,
         model = load_policy(str(model_dir), device, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                             cfg.model.gradient_checkpointing)
         kernel = use_packed_attention(model, cfg.trainer.packed_attention) if settings.packing else None
-        fused = {"fused_mlps": use_fused_mlp(model) if cfg.trainer.fused_mlp else 0,
-                 "fused_projections": use_fused_projections(model) if cfg.trainer.fused_projections else {}}
+        fused = use_fused_modules(model, cfg, device, settings.exact)
         if cfg.trainer.compile:
             compile_layers(model, cfg.trainer.fuse_linears)
     return model, kernel, fused

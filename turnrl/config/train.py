@@ -101,8 +101,11 @@ class OptimConfig:
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
-    fused_master_step: bool = False      # GPU with param_dtype bfloat16: AdamW on the fp32 masters writes the bf16
-    #                                      weights in the same kernel (turnrl/train/master_adamw.py); else torch's
+    fused_master_step: Literal["auto", "on", "off"] = "auto"  # AdamW on the fp32 masters of bf16 weights writes
+    #                                      the weights in the same kernel (turnrl/train/master_adamw.py); auto = on
+    #                                      where masters are stepped on a GPU (1 ms an update less on an H100,
+    #                                      2026-12-08), else torch's AdamW and the copy; on: an error where no
+    #                                      masters are stepped on a GPU
 
     def validate(self) -> None:
         positive("lr", self.lr)
@@ -132,9 +135,12 @@ class TrainerConfig:
     fused_mlp: bool = False              # SwiGLU MLPs with the activation inside their GEMMs (GPU, bf16 weights, no
     #                                      LoRA on the MLP; turnrl/train/swiglu_kernel.py); off: its Triton GEMMs
     #                                      made an update 14 ms slower on an H200 (2026-12-07)
-    fused_projections: bool = False      # q/k/v and gate/up as one GEMM each, rotary and SwiGLU in kernels that
-    #                                      write the fused gradients whole (GPU, 16-bit weights, no LoRA on them;
-    #                                      attention with packed_attention triton; turnrl/train/fused_projections.py)
+    fused_projections: Literal["auto", "on", "off"] = "auto"  # q/k/v and gate/up as one GEMM each, rotary and
+    #                                      SwiGLU in kernels that write the fused gradients whole (GPU, 16-bit
+    #                                      weights, no LoRA on them; attention with packed_attention triton;
+    #                                      turnrl/train/fused_projections.py); auto = on for the local trainer on
+    #                                      CUDA with 16-bit weights, without engine.exact or fused_mlp (4 ms an
+    #                                      update less on an H100, 2026-12-08); on: an error where nothing fuses
     packing: bool = False                # micro-batches as packed rows, no padding (GPU: varlen flash attention)
     packed_attention: Literal["auto", "flash", "triton"] = "auto"  # packed rows' attention on GPUs: torch's
     #                                      varlen FA2, or turnrl's Triton kernels (turnrl/train/flash_kernel.py);
@@ -189,11 +195,15 @@ class TrainerConfig:
         if self.packing and self.placement != "local":
             raise ConfigError("'packing' runs in the local trainer only: set 'packing' to false with placement "
                               f"{self.placement}.")
-        if self.fused_projections and self.placement != "local":
-            raise ConfigError("'fused_projections' runs in the local trainer only: set 'fused_projections' to false "
-                              f"with placement {self.placement}.")
-        if self.fused_projections and self.fused_mlp:
-            raise ConfigError("'fused_projections' and 'fused_mlp' both replace the MLP: set one of them to false.")
+        if self.fused_projections == "on" and self.placement != "local":
+            raise ConfigError("'fused_projections: on' runs in the local trainer only: set 'fused_projections' to "
+                              f"auto or off with placement {self.placement}.")
+        if self.fused_projections == "on" and self.fused_mlp:
+            raise ConfigError("'fused_projections: on' and 'fused_mlp' both replace the MLP: set "
+                              "'fused_projections' to auto or off, or 'fused_mlp' to false.")
+        if self.optim.fused_master_step == "on" and self.placement != "local":
+            raise ConfigError("'optim.fused_master_step: on' steps the local trainer's fp32 masters (the Ray ranks "
+                              f"keep FSDP2's): set it to auto or off with placement {self.placement}.")
         if self.fused_mlp and self.placement != "local":
             raise ConfigError(f"'fused_mlp' runs in the local trainer only: set 'fused_mlp' to false with placement "
                               f"{self.placement}.")

@@ -24,7 +24,9 @@ unfused layer to rounding, not bit for bit.
 The attention part runs where the model runs turnrl's packed Triton attention (`trainer.packing` with
 `packed_attention: triton`), the MLP part wherever the MLP is a plain SwiGLU; both on CUDA tensors of one 16-bit
 dtype with plain nn.Linear projections (not LoRA- or quantization-wrapped), else the module's own forward runs.
-Built and tested on CPUs (Triton's interpreter); not yet timed on a GPU.
+On an H100 (2026-12-08, benchmarks/results/h100_projections_*): the bench's update 0.3085 s against 0.3128 with
+the separate projections (norm backward -3.6 ms, GEMMs -1.5, the SwiGLU and rotary kernels +2.2 against inductor's
+fused ones); `trainer.fused_projections: auto` turns it on where it runs (`projections_wanted`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from turnrl.train import flash_kernel
 from turnrl.train.packing import ATTENTION
 from turnrl.train.swiglu_kernel import plain_linear, plain_swiglu, runs_fused, switch_forward
 
-ROTARY_TOKENS = 64                 # tokens a rotary program (one head each)
+ROTARY = (64, 4, False)            # (tokens, warps, heads first) of a rotary program (one head each;
+#                                    benchmarks/projection_probe.py times others)
 SWIGLU_BLOCK = (8, 256, 4)         # (tokens, columns, warps) of a SwiGLU program
 _INTERPRET = False                 # tests: run the kernels on CPU tensors (under Triton's interpreter)
 
@@ -60,6 +63,14 @@ def _check_rotary(y: torch.Tensor, cos: torch.Tensor, heads: int, kv_heads: int)
     return dim
 
 
+def _rotary_launch(t: int, heads: int) -> tuple[tuple[int, int], dict[str, Any]]:
+    tokens, warps, heads_first = ROTARY
+    blocks = -(-t // tokens)
+    heads_first = heads_first and blocks < 1 << 16   # the grid's second axis holds at most 65535
+    return (heads, blocks) if heads_first else (blocks, heads), {"BLOCK_T": tokens, "HEADS_FIRST": heads_first,
+                                                                  "num_warps": warps}
+
+
 def rotary_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [T, H, D], k [T, KV, D], v [T, KV, D]) from y [T, (H + 2 KV) D]: q and k rotated by cos, sin [T, D]."""
@@ -67,9 +78,9 @@ def rotary_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     t = y.shape[0]
     q, k, v = y.new_empty((t, heads, dim)), y.new_empty((t, kv_heads, dim)), y.new_empty((t, kv_heads, dim))
     if t:
-        _kernels().rotary_split[(-(-t // ROTARY_TOKENS), heads + 2 * kv_heads)](
-            y, cos, sin, q, k, v, t, H=heads, KV=kv_heads, D=dim, BLOCK_T=ROTARY_TOKENS, WIDEN=not y.is_cuda,
-            num_warps=4)
+        grid, options = _rotary_launch(t, heads + 2 * kv_heads)
+        _kernels().rotary_split[grid](y, cos, sin, q, k, v, t, H=heads, KV=kv_heads, D=dim, WIDEN=not y.is_cuda,
+                                      **options)
     return q, k, v
 
 
@@ -80,9 +91,9 @@ def rotary_merge(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torc
     kv_heads = dk.shape[1]
     dy = dq.new_empty((t, (heads + 2 * kv_heads) * dim))
     if t:
-        _kernels().rotary_merge[(-(-t // ROTARY_TOKENS), heads + 2 * kv_heads)](
-            dq.contiguous(), dk.contiguous(), dv.contiguous(), cos, sin, dy, t, H=heads, KV=kv_heads, D=dim,
-            BLOCK_T=ROTARY_TOKENS, WIDEN=not dq.is_cuda, num_warps=4)
+        grid, options = _rotary_launch(t, heads + 2 * kv_heads)
+        _kernels().rotary_merge[grid](dq.contiguous(), dk.contiguous(), dv.contiguous(), cos, sin, dy, t, H=heads,
+                                      KV=kv_heads, D=dim, WIDEN=not dq.is_cuda, **options)
     return dy
 
 
@@ -229,10 +240,21 @@ def _fused_mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(h.view(*x.shape[:-1], h.shape[-1]))
 
 
-def use_fused_projections(model: Any) -> dict[str, int]:
+def projections_wanted(mode: str, device: torch.device, weights: torch.dtype, exact: bool, fused_mlp: bool) -> bool:
+    """Whether `trainer.fused_projections` (`mode`) switches the local trainer's policy: `on` always (checks and
+    `use_fused_projections` raise where it cannot), `off` never, `auto` on CUDA with 16-bit `weights` outside
+    `engine.exact` (`exact`) and unless `trainer.fused_mlp` takes the MLPs: there the kernels run (on an H100,
+    2026-12-08, the bench's update took 4.3 ms less; with the master AdamW step 7 ms, three passes alike)."""
+    if mode != "auto":
+        return mode == "on"
+    return device.type == "cuda" and weights in (torch.bfloat16, torch.float16) and not exact and not fused_mlp
+
+
+def use_fused_projections(model: Any, required: bool = True) -> dict[str, int]:
     """Switch `model`'s Llama-style attentions and SwiGLU MLPs to the fused projections (before torch.compile).
     Inputs they cannot take (CPU tensors, mixed dtypes, unpacked rows for the attention) still go through the
-    modules' own forward. Returns how many of each were switched; a model with neither raises ValueError."""
+    modules' own forward. Returns how many of each were switched; a model with neither raises ValueError where
+    the switch is `required` (`trainer.fused_projections: on`)."""
     counts = {"attention": 0, "mlp": 0}
     for module in model.modules():
         if attention_fusable(module):
@@ -241,8 +263,8 @@ def use_fused_projections(model: Any) -> dict[str, int]:
         elif plain_swiglu(module):
             switch_forward(module, _fused_mlp)
             counts["mlp"] += 1
-    if not any(counts.values()):
+    if required and not any(counts.values()):
         raise ValueError("trainer.fused_projections: the model has no Llama-style attention (plain q/k/v/o linears, "
                          "no per-head norms) and no plain SwiGLU MLP (LoRA-wrapped layers are not fused); set "
-                         "trainer.fused_projections=false")
+                         "trainer.fused_projections to auto or off")
     return counts

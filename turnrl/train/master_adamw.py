@@ -13,7 +13,8 @@ parameter, no gradient write-back, no copy kernel. The arithmetic is torch's fus
 moments' state (`exp_avg`, `exp_avg_sq`, a float32 `step` on the device) is what torch's fused AdamW keeps, so
 checkpoints load into either. Where the kernel cannot run (CPU tensors, amsgrad, maximize, a tensor learning
 rate, mixed dtypes, a closure) the step is torch's, followed by the weights' copy.
-Built and tested on CPUs (Triton's interpreter); not yet timed on a GPU.
+On an H100 (2026-12-08): the step 5.1 ms against 7.0 for torch's fused AdamW and the copy; the bench's update
+1 ms faster. `trainer.optim.fused_master_step: auto` uses it wherever masters are stepped on a GPU.
 """
 
 from __future__ import annotations

@@ -26,12 +26,17 @@ def lr_lambda(warmup: int, total: int, schedule: str, min_ratio: float) -> Calla
 def build_optimizer(params: list[torch.nn.Parameter], o: OptimConfig, total_steps: int,
                     master: MasterWeights | None = None) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW over `params` and its schedule; with `master` (`params` are then its fp32 masters) each step is
-    followed by the copy of the masters into the bf16 weights, or on GPUs with `o.fused_master_step` writes them
-    itself (`turnrl.train.master_adamw`)."""
+    followed by the copy of the masters into the bf16 weights, or on GPUs, unless `o.fused_master_step` is off,
+    writes them itself (`turnrl.train.master_adamw`)."""
     if not params:
         raise ValueError("the model has no trainable parameters")
     fused = all(p.is_cuda for p in params)  # one kernel for all parameters on GPUs
-    kind = MasterAdamW if master is not None and fused and o.fused_master_step else torch.optim.AdamW
+    steps_masters = master is not None and fused
+    if o.fused_master_step == "on" and not steps_masters:
+        raise ValueError("trainer.optim.fused_master_step=on steps fp32 masters of 16-bit weights on a GPU, and here "
+                         f"{'the parameters are not on a GPU' if master is not None else 'the weights are fp32'}: "
+                         "set it to auto (on where it applies) or off")
+    kind = MasterAdamW if steps_masters and o.fused_master_step != "off" else torch.optim.AdamW
     optimizer = kind(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay,
                      fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -14,10 +14,16 @@ from turnrl.train.swiglu_triton import _down_back_epilogue, _round, _silu
 
 
 @triton.jit
-def _head_rows(T, BLOCK_T: tl.constexpr, HALF: tl.constexpr):
-    """(tokens, half-head columns, live tokens) of this program's block of one head."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    return rows, tl.arange(0, HALF), rows[:, None] < T
+def _head_rows(T, BLOCK_T: tl.constexpr, HALF: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    """(head, tokens, half-head columns, live tokens) of this program's block of one head. HEADS_FIRST: the heads
+    on the grid's first axis, so the programs of one block of tokens run side by side (their cos and sin are the
+    same rows)."""
+    if HEADS_FIRST:
+        head, block = tl.program_id(0), tl.program_id(1)
+    else:
+        head, block = tl.program_id(1), tl.program_id(0)
+    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    return head, rows, tl.arange(0, HALF), rows[:, None] < T
 
 
 @triton.jit
@@ -33,14 +39,13 @@ def _angles(cos_ptr, sin_ptr, rows, cols, live, D: tl.constexpr, HALF: tl.conste
 
 @triton.jit
 def rotary_split(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, H: tl.constexpr, KV: tl.constexpr,
-                 D: tl.constexpr, BLOCK_T: tl.constexpr, WIDEN: tl.constexpr):
+                 D: tl.constexpr, BLOCK_T: tl.constexpr, WIDEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False):
     """y [T, (H + 2 KV) D] (q | k | v heads) -> q [T, H, D] and k [T, KV, D] rotated, v [T, KV, D] copied. One
-    program: BLOCK_T tokens of one head (program axis 1: q heads, then k heads, then v heads).
+    program: BLOCK_T tokens of one head (the head axis: q heads, then k heads, then v heads).
     x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product and the sum rounded."""
     HALF: tl.constexpr = D // 2
     W: tl.constexpr = (H + 2 * KV) * D
-    head = tl.program_id(1)
-    rows, cols, live = _head_rows(T, BLOCK_T, HALF)
+    head, rows, cols, live = _head_rows(T, BLOCK_T, HALF, HEADS_FIRST)
     src = y_ptr + rows[:, None].to(tl.int64) * W + head * D + cols[None, :]
     x1 = tl.load(src, mask=live, other=0.0)
     x2 = tl.load(src + HALF, mask=live, other=0.0)
@@ -66,13 +71,12 @@ def rotary_split(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, H: tl.constexp
 
 @triton.jit
 def rotary_merge(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, dy_ptr, T, H: tl.constexpr, KV: tl.constexpr,
-                 D: tl.constexpr, BLOCK_T: tl.constexpr, WIDEN: tl.constexpr):
+                 D: tl.constexpr, BLOCK_T: tl.constexpr, WIDEN: tl.constexpr, HEADS_FIRST: tl.constexpr = False):
     """The gradient of `rotary_split`: dq, dk (of the rotated heads) and dv -> dy [T, (H + 2 KV) D], in autograd's
     order: d1 = g1 cos1 + g2 sin2, d2 = g2 cos2 - g1 sin1, each product and the sum rounded."""
     HALF: tl.constexpr = D // 2
     W: tl.constexpr = (H + 2 * KV) * D
-    head = tl.program_id(1)
-    rows, cols, live = _head_rows(T, BLOCK_T, HALF)
+    head, rows, cols, live = _head_rows(T, BLOCK_T, HALF, HEADS_FIRST)
     dst = dy_ptr + rows[:, None].to(tl.int64) * W + head * D + cols[None, :]
     if head < H + KV:
         if head < H:

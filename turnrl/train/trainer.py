@@ -37,10 +37,10 @@ from turnrl.rollout.scheduler import run_batch
 from turnrl.train import checkpoint as ckpt
 from turnrl.train.dynamic_sampling import collect_step, shape_overlong
 from turnrl.train.batching import Rows
-from turnrl.train.fused_projections import use_fused_projections
+from turnrl.train.fused_projections import projections_wanted, use_fused_projections
 from turnrl.train.host_memory import retain_for_training
 from turnrl.train.metrics import accuracy_of
-from turnrl.train.master import master_weights
+from turnrl.train.master import master_weights, resolve_param_dtype
 from turnrl.train.optim import build_optimizer
 from turnrl.train.packing import use_packed_attention
 from turnrl.train.policy import (Reference, autocast_dtype, compile_layers, export_weights, is_lora, load_critic,
@@ -72,6 +72,18 @@ def settings_from(cfg: Config, device: torch.device | None = None) -> UpdateSett
         loss_mode=a.loss_mode, correction=CorrectionSpec(**dataclasses.asdict(a.correction)), exact=exact)
 
 
+def use_fused_modules(model: Any, cfg: Config, device: torch.device, exact: torch.dtype | None) -> dict[str, Any]:
+    """`trainer.fused_mlp` and `trainer.fused_projections` on the policy `model` (after its packed attention and
+    reference copy, before torch.compile); returns what was switched: MLPs of the one, attentions and MLPs of the
+    other."""
+    t = cfg.trainer
+    fused: dict[str, Any] = {"fused_mlps": use_fused_mlp(model) if t.fused_mlp else 0, "fused_projections": {}}
+    weights = resolve_param_dtype(t.param_dtype, autocast_dtype(t.dtype, device), exact, device)
+    if projections_wanted(t.fused_projections, device, weights, exact is not None, t.fused_mlp):
+        fused["fused_projections"] = use_fused_projections(model, required=t.fused_projections == "on")
+    return fused
+
+
 def exact_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
     """engine.exact: the dtype the trainer's exact forward runs in (the engine's), after the checks that
     exactness needs; None when the switch is off."""
@@ -84,7 +96,7 @@ def exact_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
     if s.top_p < 1.0 or s.top_k > 0:
         raise ValueError("engine.exact samples from the full distribution: set rollout.sampling.top_p=1 and top_k=0")
     for key in ("fused_mlp", "fused_projections"):
-        if getattr(cfg.trainer, key):
+        if getattr(cfg.trainer, key) in (True, "on"):
             raise ValueError(f"engine.exact runs the trainer through its batch-invariant layers: set "
                              f"trainer.{key}=false")
     if cfg.algo.entropy_coef > 0:
@@ -118,10 +130,7 @@ class Trainer:
         if self.settings.packing:   # before the reference copy, which then packs too
             use_packed_attention(self.policy, cfg.trainer.packed_attention)
         self.reference = Reference(self.policy) if self.settings.needs_ref else None
-        if cfg.trainer.fused_mlp:   # after the reference copy, which keeps the model's own MLPs
-            use_fused_mlp(self.policy)
-        if cfg.trainer.fused_projections:   # the same
-            use_fused_projections(self.policy)
+        use_fused_modules(self.policy, cfg, self.device, self.settings.exact)   # the reference keeps its own
         if cfg.trainer.compile:
             compile_layers(self.policy, cfg.trainer.fuse_linears)
         self.critic = None
