@@ -140,11 +140,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=51456)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--kernels-only", action="store_true", help="time the kernels alone, not the two sides")
     p.add_argument("--rotary", default="64:4:0,64:4:1,128:4:1,128:8:1,32:4:1,256:8:1",
                    help="blockings of the rotary kernels to time: tokens:warps:heads-first, comma-separated")
     args = p.parse_args()
     torch.manual_seed(0)
     t, hidden, inter = args.tokens, 896, 4864
+    blockings = [tuple(int(x) for x in b.split(":")) for b in args.rotary.split(",")]
     bf = dict(device="cuda", dtype=torch.bfloat16)
 
     def weight(n, k):
@@ -155,19 +157,19 @@ def main() -> None:
     freqs = (torch.arange(t, device="cuda") % 1024).float()[:, None] * inv[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-    attention = side("attention", {"separate": separate_attention, "fused": fused_attention},
-                     [x, weight(896, hidden), weight(128, hidden), weight(128, hidden),
-                      *(torch.randn(n, **bf).requires_grad_() for n in (896, 128, 128))], [cos, sin], args.repeats)
-    mlp = side("mlp", {"separate": separate_mlp, "fused": fused_mlp},
-               [x, weight(inter, hidden), weight(inter, hidden)], [], args.repeats)
-    report = {"benchmark": "projection_probe", "tokens": t, "attention": attention, "mlp": mlp,
-              "kernels": kernels(t, args.repeats), "machine": machine_info(),
-              "rotary_blockings": rotary_blockings(t, [tuple(int(x) for x in b.split(":")) for b in
-                                                       args.rotary.split(",")], args.repeats)}
+    report = {"benchmark": "projection_probe", "tokens": t}
+    if not args.kernels_only:
+        report["attention"] = side("attention", {"separate": separate_attention, "fused": fused_attention},
+                                   [x, weight(896, hidden), weight(128, hidden), weight(128, hidden),
+                                    *(torch.randn(n, **bf).requires_grad_() for n in (896, 128, 128))], [cos, sin],
+                                   args.repeats)
+        report["mlp"] = side("mlp", {"separate": separate_mlp, "fused": fused_mlp},
+                             [x, weight(inter, hidden), weight(inter, hidden)], [], args.repeats)
+    report.update(kernels=kernels(t, args.repeats), rotary_blockings=rotary_blockings(t, blockings, args.repeats),
+                  machine=machine_info())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
