@@ -171,5 +171,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 
+
 if __name__ == "__main__":
     main()

@@ -178,7 +178,7 @@ def test_auto_switches_where_the_kernels_run():
     assert not fp.projections_wanted("off", cuda, torch.bfloat16, False, False)
 
 
-def test_the_trainer_switches_by_the_key(monkeypatch):
+def test_the_trainer_switches_by_the_key():
     """`use_fused_modules` as the trainer and the bench call it: auto leaves a CPU model alone and on switches
     it; auto on a CUDA device with bf16 weights switches (the device is only named here: nothing runs on it)."""
     from turnrl.train.trainer import use_fused_modules
